@@ -1,0 +1,3 @@
+from linkctl.cli import main
+
+main()

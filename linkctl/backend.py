@@ -1,0 +1,66 @@
+"""One public interface to the per-OS network backends.
+
+Like psutil's ``_pslinux``/``_psosx``, each OS has one module behind this
+interface (``linkctl.linux``, ``linkctl.macos``); callers ask for
+``get_backend()`` and never branch on the platform themselves.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Protocol
+
+from linkctl.errors import InputError
+from linkctl.netstate import LinkFacts, Route
+from linkctl.plan import Change, Plan
+from linkctl.profile import HostSpec, LinkSpec
+from linkctl.runner import Runner, default_runner
+
+
+class Backend(Protocol):
+    os_name: str  # "linux" or "macos"
+    runner: Runner
+
+    def interfaces(self) -> list[str]:
+        """Names of the interfaces that exist here."""
+
+    def link_facts(self, ifname: str) -> LinkFacts:
+        """State of one interface; InputError listing the others if it is missing."""
+
+    def routes(self) -> list[Route]:
+        """IPv4 routes of the main table (default route included)."""
+
+    def default_route(self) -> Route | None:
+        """The IPv4 default route, or None."""
+
+    def plan_setup(self, profile: str, host: HostSpec, link: LinkSpec, facts: LinkFacts) -> Plan:
+        """Changes that bring ``facts`` to what the profile wants; empty if nothing to do."""
+
+    def plan_teardown(self, profile: str, host: HostSpec, facts: LinkFacts) -> Plan:
+        """Changes that remove the profile's address when no setup record exists."""
+
+    def execute(self, change: Change) -> None:
+        """Carry out one change; raise InputError/ApplyError on failure."""
+
+
+def current_os() -> str:
+    if sys.platform.startswith("linux"):
+        return "linux"
+    if sys.platform == "darwin":
+        return "macos"
+    raise InputError(f"unsupported platform {sys.platform!r}", "run linkctl on Linux or macOS")
+
+
+def get_backend(os_name: str | None = None, runner: Runner | None = None) -> Backend:
+    """The backend for ``os_name`` (default: this machine's OS)."""
+    os_name = os_name or current_os()
+    runner = runner or default_runner()
+    if os_name == "linux":
+        from linkctl.linux import LinuxBackend
+
+        return LinuxBackend(runner)
+    if os_name == "macos":
+        from linkctl.macos import MacBackend
+
+        return MacBackend(runner)
+    raise InputError(f"no backend for OS {os_name!r}", "use linux or macos")

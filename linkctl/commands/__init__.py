@@ -1,0 +1,1 @@
+"""CLI command groups; each module registers its commands on the root typer app."""

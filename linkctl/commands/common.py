@@ -1,0 +1,44 @@
+"""Options and helpers shared by the command modules."""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated
+
+import typer
+
+DEFAULT_PROFILE = "dgx-mac"
+
+ProfileOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--profile",
+        "-p",
+        help="Profile name from profiles/ or a path to a .toml "
+        f"(default: $LINKCTL_PROFILE, else {DEFAULT_PROFILE}).",
+        show_default=False,
+    ),
+]
+HostOpt = Annotated[
+    str | None,
+    typer.Option("--host", help="Which profile host this machine is (default: detected).",
+                 show_default=False),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan; change nothing.")]
+
+
+def load(profile: str | None):
+    from linkctl.profile import load_profile
+
+    return load_profile(profile or os.environ.get("LINKCTL_PROFILE") or DEFAULT_PROFILE)
+
+
+def load_with_host(profile: str | None, host: str | None, backend=None):
+    """(profile, host spec, backend) for commands that act on this machine."""
+    from linkctl.backend import get_backend
+    from linkctl.link import identify_host
+
+    prof, _path = load(profile)
+    backend = backend or get_backend()
+    return prof, identify_host(prof, backend, host), backend

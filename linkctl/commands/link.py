@@ -1,0 +1,134 @@
+"""profile check, setup, teardown, status."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from linkctl.commands.common import DryRunOpt, HostOpt, JsonOpt, ProfileOpt, load, load_with_host
+from linkctl.output import console, print_json, verdict
+
+profile_app = typer.Typer(help="Validate and show profiles.", no_args_is_help=True)
+
+
+@profile_app.command("check")
+def profile_check(
+    file: Annotated[str, typer.Argument(help="Profile name or path to a .toml file.")],
+    json_: JsonOpt = False,
+) -> None:
+    """Validate a profile and print it resolved (defaults filled in).
+
+    Example: linkctl profile check profiles/dgx-mac.toml
+    """
+    prof, path = load(file)
+    data = prof.to_toml_dict()
+    if json_:
+        print_json({"path": str(path), "profile": data})
+        return
+    import tomli_w
+
+    console.print(f"[green]OK[/] {path}: profile {prof.name!r}, {len(prof.hosts)} hosts, "
+                  f"head {prof.head.name}, rpc {', '.join(h.name for h in prof.rpc_hosts)}")
+    console.print(tomli_w.dumps(data), markup=False)
+
+
+@profile_app.command("list")
+def profile_list(json_: JsonOpt = False) -> None:
+    """List the profiles linkctl can find by name."""
+    from linkctl.paths import profile_dirs
+
+    found = [str(f) for d in profile_dirs() if d.is_dir() for f in sorted(d.glob("*.toml"))]
+    if json_:
+        print_json(found)
+    else:
+        for f in found:
+            console.print(f"{Path(f).stem:24} {f}", markup=False)
+
+
+def _render_result(res, json_: bool) -> None:
+    if json_:
+        print_json(res.as_dict())
+        return
+    for note in res.plan.notes:
+        console.print(f"[cyan]note:[/] {note}")
+    if res.nothing_to_do:
+        console.print(f"{res.action} {res.host} ({res.interface}): nothing to do, link is as profiled")
+        return
+    head = "would apply" if res.dry_run else "applied"
+    console.print(f"{res.action} {res.host} ({res.interface}): {head} {len(res.plan.changes)} change(s)")
+    for c in res.plan.changes:
+        undo = f"   [dim](undo: {c.undo.summary})[/]" if c.undo else ""
+        console.print(f"  - {c.summary}{undo}")
+    if not res.dry_run:
+        console.print(f"done in {res.elapsed_s * 1000:.0f} ms; default route unchanged")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(profile_app, name="profile")
+
+    @app.command()
+    def setup(profile: ProfileOpt = None, host: HostOpt = None, dry_run: DryRunOpt = False,
+              json_: JsonOpt = False) -> None:
+        """Configure this host's end of the link: MTU, up, address (no gateway, no default route).
+
+        Checks first (interface exists, not the default-route interface, no overlapping
+        subnet, address free on the segment, MTU accepted); applies as one transaction
+        and rolls back on any failure. Idempotent.
+
+        Examples:
+          linkctl setup --profile dgx-mac --dry-run
+          linkctl setup --profile dgx-mac --host dgx --json
+        """
+        from linkctl import link
+
+        prof, h, backend = load_with_host(profile, host)
+        _render_result(link.setup(prof, h, backend, dry_run=dry_run), json_)
+
+    @app.command()
+    def teardown(profile: ProfileOpt = None, host: HostOpt = None, dry_run: DryRunOpt = False,
+                 json_: JsonOpt = False) -> None:
+        """Remove exactly what setup added and restore the previous MTU.
+
+        Example: linkctl teardown --profile dgx-mac --dry-run
+        """
+        from linkctl import link
+
+        prof, h, backend = load_with_host(profile, host)
+        _render_result(link.teardown(prof, h, backend, dry_run=dry_run), json_)
+
+    @app.command()
+    def status(profile: ProfileOpt = None, host: HostOpt = None, json_: JsonOpt = False) -> None:
+        """Show the link as it is versus the profile (drift). Exit 1 on drift.
+
+        Example: linkctl status --json
+        """
+        from linkctl import link
+
+        prof, h, backend = load_with_host(profile, host)
+        st = link.status(prof, h, backend)
+        if json_:
+            print_json(st.as_dict())
+        else:
+            f = st.facts
+            speed = f"{f.speed_mbps} Mb/s {f.duplex or ''}".strip() if f.speed_mbps else "unknown"
+            dr = st.default_route
+            rows = [
+                ("host", f"{st.host} ({st.os}) in profile {st.profile}"),
+                ("interface", f"{f.ifname} {'UP' if f.up else 'DOWN'}, carrier {'yes' if f.carrier else 'no'}"),
+                ("owner", f"{f.owner}{' (' + f.owner_detail + ')' if f.owner_detail else ''}"),
+                ("addresses", ", ".join(f.addresses) or "none"),
+                ("mtu", str(f.mtu)),
+                ("speed", speed),
+                ("mac", f.mac or "unknown"),
+                ("default route", f"via {dr.gateway} dev {dr.ifname}" if dr else "none"),
+            ]
+            for k, v in rows:
+                console.print(f"{k:>14}  {v}", markup=False)
+            if not st.drift:
+                console.print(f"{'drift':>14}  {verdict('PASS')} none: link is as profiled")
+            for d in st.drift:
+                console.print(f"{'drift':>14}  {verdict(d.severity)} {d.field}: want {d.want}, have {d.have}")
+        if not st.ok:
+            raise typer.Exit(1)

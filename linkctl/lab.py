@@ -1,0 +1,279 @@
+"""The lab: network namespaces standing in for the profile's hosts.
+
+One namespace per host, joined by a veth pair named like the real ports (a
+bridge in a "switch" namespace when there are more than two hosts), plus a
+"wifi" namespace acting as the router that gives every host its default
+route over a separate interface. Addresses are remapped into 198.18.0.0/15
+(RFC 2544 benchmarking space) and the remapped profile is written out, so
+no lab packet can reach a real network. A macOS host is stood in for by a
+Linux namespace.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from linkctl.errors import InputError
+from linkctl.paths import state_dir
+from linkctl.profile import Profile, parse_profile
+
+LAB_NET = ipaddress.IPv4Network("198.18.0.0/15")
+WIFI_IF = "wlan0"
+NAME_RE_MAX = 12  # lab names stay short: namespace and interface names derive from them
+
+
+@dataclass
+class LabHost:
+    name: str
+    netns: str
+    interface: str
+    address: str  # remapped link address, CIDR
+    wifi_address: str
+    gateway: str
+
+
+@dataclass
+class Lab:
+    name: str
+    profile: str  # the original profile's name
+    profile_path: str  # the remapped profile written for --profile
+    hosts: list[LabHost]
+    wifi_netns: str
+    switch_netns: str | None
+    root: str
+
+    def host(self, name: str) -> LabHost:
+        for h in self.hosts:
+            if h.name == name:
+                return h
+        raise InputError(
+            f"lab {self.name!r} has no host {name!r}",
+            f"use one of: {', '.join(h.name for h in self.hosts)}",
+        )
+
+    def host_state_dir(self, name: str) -> Path:
+        return Path(self.root) / "hosts" / name
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def lab_root(name: str) -> Path:
+    return state_dir() / "lab" / name
+
+
+def _check_name(name: str) -> None:
+    if not name.replace("-", "").isalnum() or len(name) > NAME_RE_MAX:
+        raise InputError(
+            f"lab name {name!r} is not usable",
+            f"use up to {NAME_RE_MAX} letters, digits or dashes",
+        )
+
+
+def remap_subnet(profile: Profile) -> ipaddress.IPv4Network:
+    """The lab's link subnet: same prefix length, inside 198.18.0.0/15."""
+    prefix = profile.link.subnet.prefixlen
+    base = "198.18.100.0" if prefix >= 24 else "198.18.0.0"
+    return ipaddress.IPv4Network(f"{base}/{prefix}")
+
+
+def remap_profile(profile: Profile) -> Profile:
+    """The same profile with every link address moved into the lab subnet (host part kept)."""
+    old, new = profile.link.subnet, remap_subnet(profile)
+    data = profile.to_toml_dict()
+    data["name"] = f"{profile.name}-lab"
+    data["description"] = f"lab copy of {profile.name}: addresses remapped into {new}"
+    data["link"]["subnet"] = str(new)
+    for h in data["hosts"]:
+        ip = ipaddress.IPv4Interface(h["address"])
+        offset = int(ip.ip) - int(old.network_address)
+        h["address"] = f"{new.network_address + offset}/{new.prefixlen}"
+        h.pop("mac", None)  # the namespaces have their own MACs
+        h["rpc"].pop("bind", None)
+    return parse_profile(data, "lab profile")
+
+
+def load_lab(name: str) -> Lab:
+    path = lab_root(name) / "lab.json"
+    if not path.is_file():
+        raise InputError(f"lab {name!r} is not up", f"run `linkctl lab up --name {name}`")
+    d = json.loads(path.read_text())
+    d["hosts"] = [LabHost(**h) for h in d["hosts"]]
+    return Lab(**d)
+
+
+def up(profile: Profile, name: str = "lab") -> Lab:
+    """Create the namespaces, links and routes. Refuses if the lab already exists."""
+    from pyroute2 import IPRoute, netns
+
+    _check_name(name)
+    root = lab_root(name)
+    if (root / "lab.json").exists() or any(
+        ns.startswith(f"lk-{name}-") for ns in netns.listnetns()
+    ):
+        raise InputError(f"lab {name!r} is already up", f"run `linkctl lab down --name {name}` first")
+    lab_profile = remap_profile(profile)
+    prefix = f"lk-{name}-"
+    wifi_ns = prefix + "wifi"
+    switch_ns = prefix + "sw" if len(profile.hosts) > 2 else None
+    hosts = []
+    for i, h in enumerate(lab_profile.hosts, start=1):
+        wifi_net = ipaddress.IPv4Network(f"198.19.{i}.0/24")
+        hosts.append(
+            LabHost(
+                name=h.name,
+                netns=prefix + h.name,
+                interface=h.interface,
+                address=str(h.address),
+                wifi_address=f"{wifi_net.network_address + 2}/24",
+                gateway=str(wifi_net.network_address + 1),
+            )
+        )
+    lab = Lab(name, profile.name, str(root / "profile.toml"), hosts, wifi_ns, switch_ns, str(root))
+    created: list[str] = []
+    try:
+        for ns in [wifi_ns, *([switch_ns] if switch_ns else []), *(h.netns for h in hosts)]:
+            netns.create(ns)
+            created.append(ns)
+            with IPRoute(netns=ns) as ipr:
+                ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
+        _wire_wifi(lab)
+        _wire_link(lab)
+        root.mkdir(parents=True, exist_ok=True)
+        for h in hosts:
+            lab.host_state_dir(h.name).mkdir(parents=True, exist_ok=True)
+        Path(lab.profile_path).write_text(
+            f"# written by `linkctl lab up --name {name}` from profile {profile.name}\n"
+            + tomli_w.dumps(lab_profile.to_toml_dict())
+        )
+        (root / "lab.json").write_text(json.dumps(lab.as_dict(), indent=2))
+    except BaseException:
+        for ns in created:
+            _remove_netns(ns)
+        shutil.rmtree(root, ignore_errors=True)
+        raise
+    return lab
+
+
+def _wire_wifi(lab: Lab) -> None:
+    from pyroute2 import IPRoute
+
+    for i, h in enumerate(lab.hosts, start=1):
+        router_if = f"wh{i}"
+        with IPRoute(netns=lab.wifi_netns) as ipr:
+            ipr.link("add", ifname=router_if, kind="veth",
+                     peer={"ifname": WIFI_IF, "net_ns_fd": h.netns})
+            idx = ipr.link_lookup(ifname=router_if)[0]
+            ipr.addr("add", index=idx, address=h.gateway, prefixlen=24)
+            ipr.link("set", index=idx, state="up")
+        with IPRoute(netns=h.netns) as ipr:
+            idx = ipr.link_lookup(ifname=WIFI_IF)[0]
+            wifi = ipaddress.IPv4Interface(h.wifi_address)
+            ipr.addr("add", index=idx, address=str(wifi.ip), prefixlen=24)
+            ipr.link("set", index=idx, state="up")
+            ipr.route("add", dst="0.0.0.0/0", gateway=h.gateway, oif=idx)
+
+
+def _wire_link(lab: Lab) -> None:
+    """The direct cable (two hosts) or a switch. Host ends start down at MTU 1500,
+    like a freshly plugged port; setup is what brings them up."""
+    from pyroute2 import IPRoute
+
+    if lab.switch_netns is None:
+        a, b = lab.hosts
+        with IPRoute(netns=a.netns) as ipr:
+            ipr.link("add", ifname=a.interface, kind="veth",
+                     peer={"ifname": b.interface, "net_ns_fd": b.netns})
+        return
+    with IPRoute(netns=lab.switch_netns) as ipr:
+        ipr.link("add", ifname="br0", kind="bridge")
+        br = ipr.link_lookup(ifname="br0")[0]
+        for i, h in enumerate(lab.hosts, start=1):
+            port = f"p{i}"
+            ipr.link("add", ifname=port, kind="veth",
+                     peer={"ifname": h.interface, "net_ns_fd": h.netns})
+            idx = ipr.link_lookup(ifname=port)[0]
+            # A jumbo-capable switch port, so the hosts' MTUs decide.
+            ipr.link("set", index=idx, mtu=9216, master=br, state="up")
+        ipr.link("set", index=br, mtu=9216, state="up")
+
+
+def _netns_pids(ns: str) -> list[int]:
+    try:
+        target = os.stat(f"/run/netns/{ns}").st_ino
+    except FileNotFoundError:
+        return []
+    pids = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if os.stat(p / "ns" / "net").st_ino == target:
+                    pids.append(int(p.name))
+            except OSError:
+                continue
+    return pids
+
+
+def _remove_netns(ns: str) -> None:
+    from pyroute2 import netns
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        pids = _netns_pids(ns)
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 3
+        while pids and time.monotonic() < deadline and _netns_pids(ns):
+            time.sleep(0.05)
+    if ns in netns.listnetns():
+        netns.remove(ns)
+
+
+def down(name: str = "lab") -> list[str]:
+    """Kill every process in the lab's namespaces, delete them and the lab's files.
+    Idempotent: returns what it removed (empty when nothing was up)."""
+    from pyroute2 import netns
+
+    _check_name(name)
+    removed = []
+    for ns in sorted(netns.listnetns()):
+        if ns.startswith(f"lk-{name}-"):
+            _remove_netns(ns)
+            removed.append(ns)
+    root = lab_root(name)
+    if root.exists():
+        shutil.rmtree(root)
+        removed.append(str(root))
+    return removed
+
+
+def exec_argv(lab: Lab, host: str, argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """argv and environment that run ``argv`` inside ``host``'s namespace, with
+    LINKCTL_PROFILE/LINKCTL_HOST/LINKCTL_STATE_DIR set for that host."""
+    h = lab.host(host)
+    if not argv:
+        raise InputError("lab exec needs a command after --", "e.g. linkctl lab exec dgx -- linkctl status")
+    if argv[0] == "linkctl":
+        # The same linkctl as the caller, whatever PATH says inside the namespace.
+        argv = [sys.executable, "-m", "linkctl", *argv[1:]]
+    env = dict(os.environ)
+    env.update(
+        LINKCTL_PROFILE=lab.profile_path,
+        LINKCTL_HOST=h.name,
+        LINKCTL_STATE_DIR=str(lab.host_state_dir(h.name)),
+        LINKCTL_LAB=lab.name,
+    )
+    return ["ip", "netns", "exec", h.netns, *argv], env

@@ -1,0 +1,271 @@
+"""setup / teardown / status: the safety checks and the transaction around a backend.
+
+Everything here works through the Backend interface, so the same checks
+guard Linux and macOS. The promises: the default route is the same object
+before and after; bad input changes nothing; a second setup does nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from linkctl import arp
+from linkctl.backend import Backend
+from linkctl.errors import CheckFailed, InputError
+from linkctl.netstate import Drift, LinkFacts, LinkStatus, Route
+from linkctl.paths import state_dir
+from linkctl.plan import Change, Plan, apply
+from linkctl.profile import HostSpec, Profile
+
+
+@dataclass
+class LinkResult:
+    action: str  # "setup" or "teardown"
+    profile: str
+    host: str
+    interface: str
+    plan: Plan
+    dry_run: bool
+    applied: list[Change] = field(default_factory=list)
+    elapsed_s: float = 0.0
+    default_route: Route | None = None
+
+    @property
+    def nothing_to_do(self) -> bool:
+        return self.plan.empty
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "action": self.action,
+            "profile": self.profile,
+            "host": self.host,
+            "interface": self.interface,
+            "dry_run": self.dry_run,
+            "nothing_to_do": self.nothing_to_do,
+            "plan": self.plan.as_dict(),
+            "applied": [c.as_dict() for c in self.applied],
+            "elapsed_s": round(self.elapsed_s, 4),
+            "default_route": self.default_route.as_dict() if self.default_route else None,
+        }
+
+
+# ---- which host am I ---------------------------------------------------------
+
+
+def identify_host(profile: Profile, backend: Backend, name: str | None = None) -> HostSpec:
+    """--host NAME (or LINKCTL_HOST), else the one host whose OS matches and interface exists."""
+    name = name or os.environ.get("LINKCTL_HOST")
+    if name:
+        return profile.host(name)
+    present = set(backend.interfaces())
+    found = [h for h in profile.hosts if h.os == backend.os_name and h.interface in present]
+    if len(found) == 1:
+        return found[0]
+    everyone = ", ".join(f"{h.name} ({h.os}, {h.interface})" for h in profile.hosts)
+    if not found:
+        raise InputError(
+            f"no host of profile {profile.name!r} matches this machine "
+            f"({backend.os_name}, interfaces: {', '.join(sorted(present))}); hosts: {everyone}",
+            "pass --host NAME",
+        )
+    raise InputError(
+        f"this machine matches several hosts of profile {profile.name!r}: "
+        f"{', '.join(h.name for h in found)}",
+        "pass --host NAME",
+    )
+
+
+# ---- safety checks -------------------------------------------------------------
+
+
+def preflight(profile: Profile, host: HostSpec, backend: Backend) -> tuple[LinkFacts, Route | None]:
+    """Every check that must pass before any change. Raises InputError, changes nothing."""
+    facts = backend.link_facts(host.interface)  # missing interface -> lists the others
+    routes = backend.routes()
+    default = backend.default_route()
+    if default and default.ifname == host.interface:
+        raise InputError(
+            f"hosts.interface {host.interface!r} carries the default route "
+            f"(via {default.gateway}); configuring it could cut this machine off",
+            "name the direct-link port, not the uplink, in the profile",
+        )
+    subnet = profile.link.subnet
+    for r in routes:
+        if r.is_default or r.ifname == host.interface:
+            continue
+        if r.network().overlaps(subnet):
+            raise InputError(
+                f"link.subnet {subnet} overlaps {r.dst} already routed through {r.ifname}",
+                "pick a link subnet no other interface uses (e.g. 192.168.200.0/24)",
+            )
+    lo, hi = facts.min_mtu, facts.max_mtu
+    if (lo and profile.link.mtu < lo) or (hi and profile.link.mtu > hi):
+        raise InputError(
+            f"link.mtu {profile.link.mtu} is outside what {host.interface} accepts ({lo}-{hi})",
+            f"set link.mtu between {lo} and {hi}",
+        )
+    return facts, default
+
+
+def _check_address_free(host: HostSpec, facts: LinkFacts) -> None:
+    own = (facts.mac or "").lower()
+    macs = [m for m in arp.who_has(host.interface, host.ip) if m != own]
+    if macs:
+        raise InputError(
+            f"hosts.address {host.ip} is already answered on the segment by {', '.join(macs)}",
+            "give this host a free address, or find the device that holds it",
+        )
+
+
+def _verify_default(backend: Backend, before: Route | None) -> None:
+    after = backend.default_route()
+    if after != before:
+        raise CheckFailed(
+            f"the default route changed ({_route_text(before)} -> {_route_text(after)})",
+            "nothing was kept; report this as a bug",
+        )
+
+
+def _route_text(r: Route | None) -> str:
+    return f"{r.dst} via {r.gateway} dev {r.ifname}" if r else "none"
+
+
+# ---- setup record ----------------------------------------------------------------
+
+
+def record_path(profile: Profile, host: HostSpec) -> Path:
+    return state_dir() / "links" / f"{profile.name}--{host.name}.json"
+
+
+def _load_record(path: Path) -> list[Change]:
+    if not path.is_file():
+        return []
+    try:
+        return [Change.from_dict(c) for c in json.loads(path.read_text())["applied"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise InputError(f"setup record {path} is unreadable: {e}", "remove it and re-run") from None
+
+
+def _save_record(path: Path, profile: Profile, host: HostSpec, applied: list[Change]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(
+        json.dumps(
+            {
+                "profile": profile.name,
+                "host": host.name,
+                "interface": host.interface,
+                "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "applied": [c.as_dict() for c in applied],
+            },
+            indent=2,
+        )
+    )
+    tmp.replace(path)
+
+
+# ---- the three verbs ---------------------------------------------------------------
+
+
+def setup(profile: Profile, host: HostSpec, backend: Backend, *, dry_run: bool = False) -> LinkResult:
+    t0 = time.perf_counter()
+    facts, default = preflight(profile, host, backend)
+    plan = backend.plan_setup(profile.name, host, profile.link, facts)
+    result = LinkResult("setup", profile.name, host.name, host.interface, plan, dry_run,
+                        default_route=default)
+    if dry_run or plan.empty:
+        result.elapsed_s = time.perf_counter() - t0
+        return result
+    adds_address = any(c.action in ("addr_add", "run") for c in plan.changes)
+    if adds_address and facts.up and facts.carrier:
+        _check_address_free(host, facts)
+
+    def before(change: Change) -> None:
+        # A link that was down can only be probed once it is up: probe just
+        # before the address goes on; a hit rolls the link back down.
+        if change.action == "addr_add" and not (facts.up and facts.carrier):
+            _check_address_free(host, backend.link_facts(host.interface))
+
+    def verify() -> None:
+        _verify_default(backend, default)
+        now = backend.link_facts(host.interface)
+        if not now.has_address(str(host.address)) or now.mtu != profile.link.mtu:
+            raise CheckFailed(
+                f"after setup {host.interface} has {list(now.addresses)} MTU {now.mtu}, "
+                f"not {host.address} MTU {profile.link.mtu}",
+                "see `linkctl status`",
+            )
+
+    result.applied = apply(plan, backend.execute, before=before, verify=verify)
+    path = record_path(profile, host)
+    _save_record(path, profile, host, _load_record(path) + result.applied)
+    result.elapsed_s = time.perf_counter() - t0
+    return result
+
+
+def teardown(profile: Profile, host: HostSpec, backend: Backend, *, dry_run: bool = False) -> LinkResult:
+    """Undo exactly what setup recorded (restoring the previous MTU); without a record,
+    remove the profile's address only."""
+    t0 = time.perf_counter()
+    facts = backend.link_facts(host.interface)
+    default = backend.default_route()
+    path = record_path(profile, host)
+    recorded = _load_record(path)
+    if recorded:
+        # Each teardown step's undo is the setup change it reverses, so a
+        # failed teardown rolls forward to the state it started from.
+        steps = [Change(c.undo.action, c.undo.target, c.undo.summary, c.undo.args, undo=c)
+                 for c in reversed(recorded) if c.undo]
+        plan = Plan(_still_needed(steps, facts))
+    else:
+        plan = backend.plan_teardown(profile.name, host, facts)
+    result = LinkResult("teardown", profile.name, host.name, host.interface, plan, dry_run,
+                        default_route=default)
+    if not dry_run and not plan.empty:
+        result.applied = apply(plan, backend.execute, verify=lambda: _verify_default(backend, default))
+    if not dry_run and path.exists():
+        path.unlink()
+    result.elapsed_s = time.perf_counter() - t0
+    return result
+
+
+def _still_needed(steps: list[Change], facts: LinkFacts) -> list[Change]:
+    """Drop teardown steps whose effect is already there (e.g. address removed by hand)."""
+    out = []
+    for s in steps:
+        if s.action == "addr_del" and not facts.has_address(f"{s.args['address']}/{s.args['prefixlen']}"):
+            continue
+        if s.action == "link_down" and not facts.up:
+            continue
+        if s.action == "set_mtu" and facts.mtu == s.args["mtu"]:
+            continue
+        out.append(s)
+    return out
+
+
+def status(profile: Profile, host: HostSpec, backend: Backend) -> LinkStatus:
+    facts = backend.link_facts(host.interface)
+    default = backend.default_route()
+    link = profile.link
+    drift: list[Drift] = []
+    if not facts.up:
+        drift.append(Drift("up", True, False))
+    if not facts.carrier:
+        drift.append(Drift("carrier", True, False))
+    if facts.mtu != link.mtu:
+        drift.append(Drift("mtu", link.mtu, facts.mtu))
+    if not facts.has_address(str(host.address)):
+        drift.append(Drift("address", str(host.address), list(facts.addresses)))
+    extra = [a for a in facts.addresses if a != str(host.address)]
+    if extra:
+        drift.append(Drift("other_addresses", [], extra, "WARN"))
+    if facts.carrier and facts.speed_mbps and facts.speed_mbps < link.expected_speed_mbps:
+        drift.append(Drift("speed_mbps", link.expected_speed_mbps, facts.speed_mbps, "WARN"))
+    if default and default.ifname == host.interface:
+        drift.append(Drift("default_route", "not via the link", default.ifname))
+    return LinkStatus(profile.name, host.name, backend.os_name, facts, default, drift)

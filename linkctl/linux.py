@@ -1,0 +1,339 @@
+"""Linux backend: runtime state through pyroute2 netlink, persistence through NetworkManager.
+
+No shelling out to ``ip``. NetworkManager (which owns the device on DGX
+OS/Ubuntu) is driven with ``nmcli`` through the command runner, because a
+bare netlink address on an NM-managed device is flushed by NM and lost at
+reboot.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import socket
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psutil
+from pyroute2 import IPRoute
+from pyroute2.netlink.exceptions import NetlinkError
+
+from linkctl.errors import ApplyError, InputError
+from linkctl.netstate import LinkFacts, Route
+from linkctl.plan import Change, Plan
+from linkctl.profile import HostSpec, LinkSpec
+from linkctl.runner import Runner
+
+MAIN_TABLE = 254
+IFF_UP = 0x1
+_PROTO = {2: "kernel", 3: "boot", 4: "static", 16: "dhcp", 186: "bgp", 196: "ra"}
+_SCOPE = {0: "universe", 200: "site", 253: "link", 254: "host", 255: "nowhere"}
+
+
+@contextmanager
+def _ipr():
+    ipr = IPRoute()
+    try:
+        yield ipr
+    finally:
+        ipr.close()
+
+
+def nm_connection_name(profile: str) -> str:
+    return f"linkctl-{profile}"
+
+
+class LinuxBackend:
+    os_name = "linux"
+
+    def __init__(self, runner: Runner):
+        self.runner = runner
+
+    # ---- facts -------------------------------------------------------------
+
+    def interfaces(self) -> list[str]:
+        with _ipr() as ipr:
+            return sorted(link.get("IFLA_IFNAME") for link in ipr.get_links())
+
+    def _index(self, ipr: IPRoute, ifname: str) -> int:
+        idx = ipr.link_lookup(ifname=ifname)
+        if not idx:
+            others = sorted(link.get("IFLA_IFNAME") for link in ipr.get_links())
+            raise InputError(
+                f"interface {ifname!r} does not exist here",
+                f"set hosts.interface to one of: {', '.join(others)}",
+            )
+        return idx[0]
+
+    def link_facts(self, ifname: str) -> LinkFacts:
+        with _ipr() as ipr:
+            index = self._index(ipr, ifname)
+            link = ipr.get_links(index)[0]
+            addrs = tuple(
+                f"{a.get('IFA_ADDRESS')}/{a['prefixlen']}"
+                for a in ipr.get_addr(family=socket.AF_INET, index=index)
+            )
+        # psutil reads speed/duplex through the ethtool ioctl in this netns.
+        stats = psutil.net_if_stats().get(ifname)
+        carrier = bool(link.get("IFLA_CARRIER"))
+        speed = stats.speed if stats and stats.speed > 0 and carrier else None
+        duplex = None
+        if stats and carrier:
+            duplex = {psutil.NIC_DUPLEX_FULL: "full", psutil.NIC_DUPLEX_HALF: "half"}.get(
+                stats.duplex
+            )
+        owner, detail = self._owner(ifname, index)
+        return LinkFacts(
+            ifname=ifname,
+            up=bool(link["flags"] & IFF_UP),
+            carrier=carrier,
+            mtu=int(link.get("IFLA_MTU")),
+            mac=link.get("IFLA_ADDRESS"),
+            addresses=addrs,
+            speed_mbps=speed,
+            duplex=duplex,
+            min_mtu=link.get("IFLA_MIN_MTU") or None,
+            max_mtu=link.get("IFLA_MAX_MTU") or None,
+            owner=owner,
+            owner_detail=detail,
+        )
+
+    def routes(self) -> list[Route]:
+        with _ipr() as ipr:
+            names = {link["index"]: link.get("IFLA_IFNAME") for link in ipr.get_links()}
+            out = []
+            for r in ipr.get_routes(family=socket.AF_INET, table=MAIN_TABLE):
+                if r.get("RTA_TABLE", r["table"]) != MAIN_TABLE:
+                    continue
+                dst = f"{r.get('RTA_DST') or '0.0.0.0'}/{r['dst_len']}"
+                detail = {
+                    "proto": _PROTO.get(r["proto"], str(r["proto"])),
+                    "scope": _SCOPE.get(r["scope"], str(r["scope"])),
+                    "type": str(r["type"]),
+                    "prefsrc": str(r.get("RTA_PREFSRC") or ""),
+                    "flags": str(r["flags"]),
+                }
+                out.append(
+                    Route(
+                        dst=dst,
+                        gateway=r.get("RTA_GATEWAY"),
+                        ifname=names.get(r.get("RTA_OIF")),
+                        metric=r.get("RTA_PRIORITY"),
+                        detail=tuple(sorted(detail.items())),
+                    )
+                )
+            return out
+
+    def default_route(self) -> Route | None:
+        defaults = [r for r in self.routes() if r.is_default]
+        # Lowest metric wins, as the kernel picks it.
+        return min(defaults, key=lambda r: r.metric or 0) if defaults else None
+
+    def _owner(self, ifname: str, index: int) -> tuple[str, str]:
+        if self.runner.which("nmcli"):
+            res = self.runner.run(
+                ["nmcli", "-t", "-g", "GENERAL.STATE,GENERAL.CONNECTION", "device", "show", ifname],
+                check=False,
+                timeout=10,
+            )
+            if res.ok:
+                lines = res.stdout.splitlines() + ["", ""]
+                state, conn = lines[0], lines[1]
+                if "unmanaged" not in state:
+                    return "networkmanager", conn
+        netif = Path(f"/run/systemd/netif/links/{index}")
+        if netif.is_file() and "NETWORK_FILE=" in netif.read_text():
+            return "systemd-networkd", ""
+        return "none", ""
+
+    # ---- plans -------------------------------------------------------------
+
+    def plan_setup(self, profile: str, host: HostSpec, link: LinkSpec, facts: LinkFacts) -> Plan:
+        if facts.owner == "networkmanager":
+            return self._plan_nm(profile, host, link, facts)
+        return self._plan_netlink(host, link, facts)
+
+    def _plan_netlink(self, host: HostSpec, link: LinkSpec, facts: LinkFacts) -> Plan:
+        ifname = host.interface
+        plan = Plan()
+        if facts.owner == "systemd-networkd":
+            plan.notes.append(
+                f"{ifname} is managed by systemd-networkd: runtime state only; "
+                "install the boot service (`linkctl service install`) so it survives a reboot"
+            )
+        if facts.mtu != link.mtu:
+            plan.changes.append(self._mtu_change(ifname, facts.mtu, link.mtu))
+        if not facts.up:
+            plan.changes.append(
+                Change(
+                    "link_up",
+                    ifname,
+                    f"{ifname}: bring up",
+                    undo=Change("link_down", ifname, f"{ifname}: bring down"),
+                )
+            )
+        addr = str(host.address)
+        if not facts.has_address(addr):
+            args = {"address": host.ip, "prefixlen": host.address.network.prefixlen}
+            plan.changes.append(
+                Change(
+                    "addr_add",
+                    ifname,
+                    f"{ifname}: add {addr} (no gateway, no default route)",
+                    args,
+                    undo=Change("addr_del", ifname, f"{ifname}: remove {addr}", args),
+                )
+            )
+        return plan
+
+    @staticmethod
+    def _mtu_change(ifname: str, old: int, new: int) -> Change:
+        return Change(
+            "set_mtu",
+            ifname,
+            f"{ifname}: MTU {old} -> {new}",
+            {"mtu": new},
+            undo=Change("set_mtu", ifname, f"{ifname}: MTU {new} -> {old}", {"mtu": old}),
+        )
+
+    def _plan_nm(self, profile: str, host: HostSpec, link: LinkSpec, facts: LinkFacts) -> Plan:
+        ifname, con = host.interface, nm_connection_name(profile)
+        plan = Plan(notes=[f"{ifname} is managed by NetworkManager: persisting as connection {con}"])
+        want = {
+            "ipv4.method": "manual",
+            "ipv4.addresses": str(host.address),
+            "ipv4.gateway": "",
+            "ipv4.never-default": "yes",
+            "ipv6.method": "disabled",
+            "ethernet.mtu": str(link.mtu),
+            "connection.autoconnect": "yes",
+        }
+        settings = [x for kv in want.items() for x in kv]
+        have = self._nm_settings(con, list(want))
+        if have is None:
+            plan.changes.append(
+                Change(
+                    "run",
+                    con,
+                    f"NetworkManager: add connection {con} on {ifname} "
+                    f"({host.address}, MTU {link.mtu}, never-default)",
+                    {"argv": ["nmcli", "connection", "add", "type", "ethernet", "ifname", ifname,
+                              "con-name", con, *settings]},
+                    undo=Change(
+                        "run", con, f"NetworkManager: delete connection {con}",
+                        {"argv": ["nmcli", "connection", "delete", con]},
+                    ),
+                )
+            )
+        elif any(have.get(k, "") != v for k, v in want.items() if k != "ipv4.gateway"):
+            old = [x for k in want for x in (k, have.get(k, ""))]
+            plan.changes.append(
+                Change(
+                    "run",
+                    con,
+                    f"NetworkManager: update connection {con} to the profile",
+                    {"argv": ["nmcli", "connection", "modify", con, *settings]},
+                    undo=Change(
+                        "run", con, f"NetworkManager: restore connection {con}",
+                        {"argv": ["nmcli", "connection", "modify", con, *old]},
+                    ),
+                )
+            )
+        runtime_ok = facts.has_address(str(host.address)) and facts.mtu == link.mtu and facts.up
+        if plan.changes or facts.owner_detail != con or not runtime_ok:
+            prev = facts.owner_detail
+            back = (
+                ["nmcli", "connection", "up", prev, "ifname", ifname]
+                if prev and prev != con
+                else ["nmcli", "device", "disconnect", ifname]
+            )
+            plan.changes.append(
+                Change(
+                    "run",
+                    con,
+                    f"NetworkManager: activate {con} on {ifname}",
+                    {"argv": ["nmcli", "connection", "up", con, "ifname", ifname]},
+                    undo=Change(
+                        "run", con, f"NetworkManager: {' '.join(back[1:3])} {back[3]}",
+                        {"argv": back},
+                    ),
+                )
+            )
+        return plan
+
+    def _nm_settings(self, con: str, keys: list[str]) -> dict[str, str] | None:
+        res = self.runner.run(
+            ["nmcli", "-t", "-g", ",".join(keys), "connection", "show", con],
+            check=False,
+            timeout=10,
+        )
+        if not res.ok:
+            return None
+        return dict(zip(keys, res.stdout.splitlines(), strict=False))
+
+    def plan_teardown(self, profile: str, host: HostSpec, facts: LinkFacts) -> Plan:
+        ifname, addr = host.interface, str(host.address)
+        plan = Plan()
+        if facts.owner == "networkmanager" and self._nm_settings(
+            nm_connection_name(profile), ["connection.id"]
+        ):
+            con = nm_connection_name(profile)
+            plan.changes.append(
+                Change("run", con, f"NetworkManager: delete connection {con}",
+                       {"argv": ["nmcli", "connection", "delete", con]})
+            )
+        elif facts.has_address(addr):
+            args = {"address": host.ip, "prefixlen": host.address.network.prefixlen}
+            plan.changes.append(Change("addr_del", ifname, f"{ifname}: remove {addr}", args))
+        if plan.changes:
+            plan.notes.append("no setup record found: removing the profile's address only; "
+                              "the previous MTU is unknown and left as it is")
+        return plan
+
+    # ---- execution ---------------------------------------------------------
+
+    def execute(self, change: Change) -> None:
+        if change.action == "run":
+            self.runner.run(change.args["argv"], timeout=60)
+            return
+        ifname = change.target
+        try:
+            with _ipr() as ipr:
+                index = self._index(ipr, ifname)
+                self._netlink(ipr, index, change)
+        except NetlinkError as e:
+            raise self._netlink_error(change, e) from None
+
+    @staticmethod
+    def _netlink(ipr: IPRoute, index: int, change: Change) -> None:
+        a: dict[str, Any] = change.args
+        if change.action == "set_mtu":
+            ipr.link("set", index=index, mtu=a["mtu"])
+        elif change.action == "link_up":
+            ipr.link("set", index=index, state="up")
+        elif change.action == "link_down":
+            ipr.link("set", index=index, state="down")
+        elif change.action == "addr_add":
+            ipr.addr("add", index=index, address=a["address"], prefixlen=a["prefixlen"])
+        elif change.action == "addr_del":
+            ipr.addr("del", index=index, address=a["address"], prefixlen=a["prefixlen"])
+        else:
+            raise ApplyError(f"unknown change action {change.action!r}")
+
+    @staticmethod
+    def _netlink_error(change: Change, e: NetlinkError) -> Exception:
+        code = e.code
+        text = errno.errorcode.get(code, str(code))
+        if change.action == "set_mtu" and code in (errno.EINVAL, errno.ERANGE):
+            return InputError(
+                f"{change.target} refused MTU {change.args['mtu']} ({text})",
+                "set link.mtu to a value the NIC supports (see `linkctl status`)",
+            )
+        if change.action == "addr_del" and code == errno.EADDRNOTAVAIL:
+            return ApplyError(f"{change.summary}: address is already gone")
+        return ApplyError(f"{change.summary}: netlink error {text}: {e}")
+
+
+def subnet_of(cidr: str) -> ipaddress.IPv4Network:
+    return ipaddress.IPv4Interface(cidr).network

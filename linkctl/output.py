@@ -1,0 +1,31 @@
+"""Facts as data first, text second: every command builds a dict, then either
+prints it as JSON (--json) or renders it for a person."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from rich.console import Console
+
+console = Console(highlight=False, soft_wrap=True)
+err_console = Console(stderr=True, highlight=False)
+
+VERDICT_STYLE = {"PASS": "green", "WARN": "yellow", "FAIL": "red", "SKIP": "dim", "INFO": "cyan"}
+
+
+def print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def verdict(v: str) -> str:
+    return f"[{VERDICT_STYLE.get(v, 'white')}]{v}[/]"
+
+
+def error_line(message: str) -> None:
+    err_console.print(f"[red]linkctl: error:[/] {message}", markup=True, soft_wrap=True)
+
+
+def warn_line(message: str) -> None:
+    err_console.print(f"[yellow]linkctl: warning:[/] {message}", markup=True, soft_wrap=True)

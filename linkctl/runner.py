@@ -1,0 +1,87 @@
+"""The one way linkctl runs an external command.
+
+argv lists only (never a shell string), a timeout on every call, output
+captured. Backends take a ``Runner`` so tests can swap in one that replays
+recorded outputs (macOS) while Linux tests run the real thing.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from linkctl.errors import InputError
+
+DEFAULT_TIMEOUT = 30.0
+
+
+@dataclass(frozen=True)
+class Result:
+    argv: tuple[str, ...]
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+class CommandFailed(InputError):
+    def __init__(self, result: Result):
+        self.result = result
+        err = (result.stderr or result.stdout).strip().splitlines()
+        detail = err[-1] if err else "no output"
+        super().__init__(f"`{' '.join(result.argv)}` exited {result.returncode}: {detail}")
+
+
+@dataclass
+class Runner:
+    """Runs commands for real. ``history`` records every argv, for dry-run and tests."""
+
+    history: list[tuple[str, ...]] = field(default_factory=list)
+
+    def which(self, name: str) -> str | None:
+        return shutil.which(name)
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        check: bool = True,
+        input: str | None = None,
+    ) -> Result:
+        argv = tuple(str(a) for a in argv)
+        self.history.append(argv)
+        try:
+            proc = subprocess.run(
+                argv,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                input=input,
+                check=False,
+            )
+        except FileNotFoundError:
+            raise InputError(
+                f"command not found: {argv[0]}", f"install {argv[0]} or put it on PATH"
+            ) from None
+        except subprocess.TimeoutExpired:
+            raise InputError(
+                f"`{' '.join(argv)}` did not finish within {timeout:g} s",
+                "check the device or service it talks to",
+            ) from None
+        result = Result(argv, proc.returncode, proc.stdout, proc.stderr)
+        if check and not result.ok:
+            raise CommandFailed(result)
+        return result
+
+
+_default = Runner()
+
+
+def default_runner() -> Runner:
+    return _default
