@@ -10,8 +10,9 @@ from __future__ import annotations
 from linkctl.errors import InputError
 
 
-def who_has(ifname: str, target: str, *, src_ip: str = "0.0.0.0", timeout: float = 0.5,
-            tries: int = 2) -> list[str]:
+def who_has(
+    ifname: str, target: str, *, src_ip: str = "0.0.0.0", timeout: float = 0.25, tries: int = 2
+) -> list[str]:
     """MACs that answered an ARP request for ``target`` on ``ifname`` (empty: nobody)."""
     try:
         from scapy.config import conf

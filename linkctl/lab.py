@@ -11,6 +11,7 @@ Linux namespace.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
@@ -122,7 +123,9 @@ def up(profile: Profile, name: str = "lab") -> Lab:
     if (root / "lab.json").exists() or any(
         ns.startswith(f"lk-{name}-") for ns in netns.listnetns()
     ):
-        raise InputError(f"lab {name!r} is already up", f"run `linkctl lab down --name {name}` first")
+        raise InputError(
+            f"lab {name!r} is already up", f"run `linkctl lab down --name {name}` first"
+        )
     lab_profile = remap_profile(profile)
     prefix = f"lk-{name}-"
     wifi_ns = prefix + "wifi"
@@ -172,8 +175,9 @@ def _wire_wifi(lab: Lab) -> None:
     for i, h in enumerate(lab.hosts, start=1):
         router_if = f"wh{i}"
         with IPRoute(netns=lab.wifi_netns) as ipr:
-            ipr.link("add", ifname=router_if, kind="veth",
-                     peer={"ifname": WIFI_IF, "net_ns_fd": h.netns})
+            ipr.link(
+                "add", ifname=router_if, kind="veth", peer={"ifname": WIFI_IF, "net_ns_fd": h.netns}
+            )
             idx = ipr.link_lookup(ifname=router_if)[0]
             ipr.addr("add", index=idx, address=h.gateway, prefixlen=24)
             ipr.link("set", index=idx, state="up")
@@ -193,16 +197,21 @@ def _wire_link(lab: Lab) -> None:
     if lab.switch_netns is None:
         a, b = lab.hosts
         with IPRoute(netns=a.netns) as ipr:
-            ipr.link("add", ifname=a.interface, kind="veth",
-                     peer={"ifname": b.interface, "net_ns_fd": b.netns})
+            ipr.link(
+                "add",
+                ifname=a.interface,
+                kind="veth",
+                peer={"ifname": b.interface, "net_ns_fd": b.netns},
+            )
         return
     with IPRoute(netns=lab.switch_netns) as ipr:
         ipr.link("add", ifname="br0", kind="bridge")
         br = ipr.link_lookup(ifname="br0")[0]
         for i, h in enumerate(lab.hosts, start=1):
             port = f"p{i}"
-            ipr.link("add", ifname=port, kind="veth",
-                     peer={"ifname": h.interface, "net_ns_fd": h.netns})
+            ipr.link(
+                "add", ifname=port, kind="veth", peer={"ifname": h.interface, "net_ns_fd": h.netns}
+            )
             idx = ipr.link_lookup(ifname=port)[0]
             # A jumbo-capable switch port, so the hosts' MTUs decide.
             ipr.link("set", index=idx, mtu=9216, master=br, state="up")
@@ -231,10 +240,8 @@ def _remove_netns(ns: str) -> None:
     for sig in (signal.SIGTERM, signal.SIGKILL):
         pids = _netns_pids(ns)
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
         deadline = time.monotonic() + 3
         while pids and time.monotonic() < deadline and _netns_pids(ns):
             time.sleep(0.05)
@@ -265,7 +272,9 @@ def exec_argv(lab: Lab, host: str, argv: list[str]) -> tuple[list[str], dict[str
     LINKCTL_PROFILE/LINKCTL_HOST/LINKCTL_STATE_DIR set for that host."""
     h = lab.host(host)
     if not argv:
-        raise InputError("lab exec needs a command after --", "e.g. linkctl lab exec dgx -- linkctl status")
+        raise InputError(
+            "lab exec needs a command after --", "e.g. linkctl lab exec dgx -- linkctl status"
+        )
     if argv[0] == "linkctl":
         # The same linkctl as the caller, whatever PATH says inside the namespace.
         argv = [sys.executable, "-m", "linkctl", *argv[1:]]

@@ -112,6 +112,27 @@ def preflight(profile: Profile, host: HostSpec, backend: Backend) -> tuple[LinkF
     return facts, default
 
 
+CARRIER_WAIT_S = 2.0
+
+
+def wait_for_carrier(
+    backend: Backend, ifname: str, timeout: float, *, required: bool = True
+) -> LinkFacts:
+    """Poll until ``ifname`` has carrier (autonegotiation takes a few seconds on real
+    NICs). With ``required``, no carrier in time is an InputError."""
+    deadline = time.monotonic() + timeout
+    facts = backend.link_facts(ifname)
+    while not facts.carrier and time.monotonic() < deadline:
+        time.sleep(0.05)
+        facts = backend.link_facts(ifname)
+    if required and not facts.carrier:
+        raise InputError(
+            f"{ifname} has no carrier after {timeout:g} s",
+            "check the cable and that the peer's port is up",
+        )
+    return facts
+
+
 def _check_address_free(host: HostSpec, facts: LinkFacts) -> None:
     own = (facts.mac or "").lower()
     macs = [m for m in arp.who_has(host.interface, host.ip) if m != own]
@@ -148,7 +169,9 @@ def _load_record(path: Path) -> list[Change]:
     try:
         return [Change.from_dict(c) for c in json.loads(path.read_text())["applied"]]
     except (ValueError, KeyError, TypeError) as e:
-        raise InputError(f"setup record {path} is unreadable: {e}", "remove it and re-run") from None
+        raise InputError(
+            f"setup record {path} is unreadable: {e}", "remove it and re-run"
+        ) from None
 
 
 def _save_record(path: Path, profile: Profile, host: HostSpec, applied: list[Change]) -> None:
@@ -172,12 +195,15 @@ def _save_record(path: Path, profile: Profile, host: HostSpec, applied: list[Cha
 # ---- the three verbs ---------------------------------------------------------------
 
 
-def setup(profile: Profile, host: HostSpec, backend: Backend, *, dry_run: bool = False) -> LinkResult:
+def setup(
+    profile: Profile, host: HostSpec, backend: Backend, *, dry_run: bool = False
+) -> LinkResult:
     t0 = time.perf_counter()
     facts, default = preflight(profile, host, backend)
     plan = backend.plan_setup(profile.name, host, profile.link, facts)
-    result = LinkResult("setup", profile.name, host.name, host.interface, plan, dry_run,
-                        default_route=default)
+    result = LinkResult(
+        "setup", profile.name, host.name, host.interface, plan, dry_run, default_route=default
+    )
     if dry_run or plan.empty:
         result.elapsed_s = time.perf_counter() - t0
         return result
@@ -189,7 +215,14 @@ def setup(profile: Profile, host: HostSpec, backend: Backend, *, dry_run: bool =
         # A link that was down can only be probed once it is up: probe just
         # before the address goes on; a hit rolls the link back down.
         if change.action == "addr_add" and not (facts.up and facts.carrier):
-            _check_address_free(host, backend.link_facts(host.interface))
+            now = wait_for_carrier(backend, host.interface, CARRIER_WAIT_S, required=False)
+            if now.carrier:
+                _check_address_free(host, now)
+            else:
+                plan.notes.append(
+                    f"duplicate-address probe skipped: no carrier on {host.interface} within "
+                    f"{CARRIER_WAIT_S:g} s (nobody on the segment can answer yet)"
+                )
 
     def verify() -> None:
         _verify_default(backend, default)
@@ -208,7 +241,9 @@ def setup(profile: Profile, host: HostSpec, backend: Backend, *, dry_run: bool =
     return result
 
 
-def teardown(profile: Profile, host: HostSpec, backend: Backend, *, dry_run: bool = False) -> LinkResult:
+def teardown(
+    profile: Profile, host: HostSpec, backend: Backend, *, dry_run: bool = False
+) -> LinkResult:
     """Undo exactly what setup recorded (restoring the previous MTU); without a record,
     remove the profile's address only."""
     t0 = time.perf_counter()
@@ -219,15 +254,21 @@ def teardown(profile: Profile, host: HostSpec, backend: Backend, *, dry_run: boo
     if recorded:
         # Each teardown step's undo is the setup change it reverses, so a
         # failed teardown rolls forward to the state it started from.
-        steps = [Change(c.undo.action, c.undo.target, c.undo.summary, c.undo.args, undo=c)
-                 for c in reversed(recorded) if c.undo]
+        steps = [
+            Change(c.undo.action, c.undo.target, c.undo.summary, c.undo.args, undo=c)
+            for c in reversed(recorded)
+            if c.undo
+        ]
         plan = Plan(_still_needed(steps, facts))
     else:
         plan = backend.plan_teardown(profile.name, host, facts)
-    result = LinkResult("teardown", profile.name, host.name, host.interface, plan, dry_run,
-                        default_route=default)
+    result = LinkResult(
+        "teardown", profile.name, host.name, host.interface, plan, dry_run, default_route=default
+    )
     if not dry_run and not plan.empty:
-        result.applied = apply(plan, backend.execute, verify=lambda: _verify_default(backend, default))
+        result.applied = apply(
+            plan, backend.execute, verify=lambda: _verify_default(backend, default)
+        )
     if not dry_run and path.exists():
         path.unlink()
     result.elapsed_s = time.perf_counter() - t0
@@ -238,7 +279,9 @@ def _still_needed(steps: list[Change], facts: LinkFacts) -> list[Change]:
     """Drop teardown steps whose effect is already there (e.g. address removed by hand)."""
     out = []
     for s in steps:
-        if s.action == "addr_del" and not facts.has_address(f"{s.args['address']}/{s.args['prefixlen']}"):
+        if s.action == "addr_del" and not facts.has_address(
+            f"{s.args['address']}/{s.args['prefixlen']}"
+        ):
             continue
         if s.action == "link_down" and not facts.up:
             continue

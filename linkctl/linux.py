@@ -138,7 +138,7 @@ class LinuxBackend:
                 timeout=10,
             )
             if res.ok:
-                lines = res.stdout.splitlines() + ["", ""]
+                lines = [*res.stdout.splitlines(), "", ""]
                 state, conn = lines[0], lines[1]
                 if "unmanaged" not in state:
                     return "networkmanager", conn
@@ -199,7 +199,9 @@ class LinuxBackend:
 
     def _plan_nm(self, profile: str, host: HostSpec, link: LinkSpec, facts: LinkFacts) -> Plan:
         ifname, con = host.interface, nm_connection_name(profile)
-        plan = Plan(notes=[f"{ifname} is managed by NetworkManager: persisting as connection {con}"])
+        plan = Plan(
+            notes=[f"{ifname} is managed by NetworkManager: persisting as connection {con}"]
+        )
         want = {
             "ipv4.method": "manual",
             "ipv4.addresses": str(host.address),
@@ -218,10 +220,24 @@ class LinuxBackend:
                     con,
                     f"NetworkManager: add connection {con} on {ifname} "
                     f"({host.address}, MTU {link.mtu}, never-default)",
-                    {"argv": ["nmcli", "connection", "add", "type", "ethernet", "ifname", ifname,
-                              "con-name", con, *settings]},
+                    {
+                        "argv": [
+                            "nmcli",
+                            "connection",
+                            "add",
+                            "type",
+                            "ethernet",
+                            "ifname",
+                            ifname,
+                            "con-name",
+                            con,
+                            *settings,
+                        ]
+                    },
                     undo=Change(
-                        "run", con, f"NetworkManager: delete connection {con}",
+                        "run",
+                        con,
+                        f"NetworkManager: delete connection {con}",
                         {"argv": ["nmcli", "connection", "delete", con]},
                     ),
                 )
@@ -235,7 +251,9 @@ class LinuxBackend:
                     f"NetworkManager: update connection {con} to the profile",
                     {"argv": ["nmcli", "connection", "modify", con, *settings]},
                     undo=Change(
-                        "run", con, f"NetworkManager: restore connection {con}",
+                        "run",
+                        con,
+                        f"NetworkManager: restore connection {con}",
                         {"argv": ["nmcli", "connection", "modify", con, *old]},
                     ),
                 )
@@ -255,7 +273,9 @@ class LinuxBackend:
                     f"NetworkManager: activate {con} on {ifname}",
                     {"argv": ["nmcli", "connection", "up", con, "ifname", ifname]},
                     undo=Change(
-                        "run", con, f"NetworkManager: {' '.join(back[1:3])} {back[3]}",
+                        "run",
+                        con,
+                        f"NetworkManager: {' '.join(back[1:3])} {back[3]}",
                         {"argv": back},
                     ),
                 )
@@ -280,15 +300,21 @@ class LinuxBackend:
         ):
             con = nm_connection_name(profile)
             plan.changes.append(
-                Change("run", con, f"NetworkManager: delete connection {con}",
-                       {"argv": ["nmcli", "connection", "delete", con]})
+                Change(
+                    "run",
+                    con,
+                    f"NetworkManager: delete connection {con}",
+                    {"argv": ["nmcli", "connection", "delete", con]},
+                )
             )
         elif facts.has_address(addr):
             args = {"address": host.ip, "prefixlen": host.address.network.prefixlen}
             plan.changes.append(Change("addr_del", ifname, f"{ifname}: remove {addr}", args))
         if plan.changes:
-            plan.notes.append("no setup record found: removing the profile's address only; "
-                              "the previous MTU is unknown and left as it is")
+            plan.notes.append(
+                "no setup record found: removing the profile's address only; "
+                "the previous MTU is unknown and left as it is"
+            )
         return plan
 
     # ---- execution ---------------------------------------------------------

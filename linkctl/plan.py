@@ -9,6 +9,7 @@ machine is left as it was.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +59,9 @@ class Plan:
         return Plan([c.undo for c in reversed(self.changes) if c.undo])
 
 
+# Failpoint for tests of the rollback path: names a change action to fail at.
+FAULT_ENV = "LINKCTL_INJECT_FAULT"
+
 Executor = Callable[[Change], None]
 Hook = Callable[[Change], None]
 
@@ -81,6 +85,8 @@ def apply(
             if before:
                 before(change)
             log.info("apply: %s", change.summary)
+            if os.environ.get(FAULT_ENV) == change.action:
+                raise ApplyError(f"injected fault before {change.summary!r} ({FAULT_ENV})")
             execute(change)
             applied.append(change)
         if verify:

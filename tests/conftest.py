@@ -41,12 +41,17 @@ def need_tool(name: str) -> str:
     return path
 
 
-def linkctl(*args: str, env: dict[str, str] | None = None, timeout: float = 120,
-            input: str | None = None) -> subprocess.CompletedProcess:
+def linkctl(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120, input: str | None = None
+) -> subprocess.CompletedProcess:
     """Run the real CLI as a user would (a new process)."""
     return subprocess.run(
         [sys.executable, "-m", "linkctl", *args],
-        capture_output=True, text=True, timeout=timeout, env=env, input=input,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        input=input,
     )
 
 
@@ -64,10 +69,12 @@ class LabHandle:
         self.info = json.loads(r.stdout)
         return self.info
 
-    def exec(self, host: str, *argv: str, timeout: float = 120,
-             input: str | None = None) -> subprocess.CompletedProcess:
-        return linkctl("lab", "exec", host, "--name", self.name, "--", *argv,
-                       timeout=timeout, input=input)
+    def exec(
+        self, host: str, *argv: str, timeout: float = 120, input: str | None = None
+    ) -> subprocess.CompletedProcess:
+        return linkctl(
+            "lab", "exec", host, "--name", self.name, "--", *argv, timeout=timeout, input=input
+        )
 
     def run(self, host: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         """`linkctl ARGS` inside the host's namespace."""
@@ -92,8 +99,9 @@ def ns_snapshot(netns: str) -> dict:
     (an independent reader, not linkctl's own pyroute2 code)."""
 
     def ip(*args: str):
-        out = subprocess.run(["ip", "-n", netns, "-j", *args], capture_output=True, text=True,
-                             check=True).stdout
+        out = subprocess.run(
+            ["ip", "-n", netns, "-j", *args], capture_output=True, text=True, check=True
+        ).stdout
         return json.loads(out or "[]")
 
     links = [

@@ -21,8 +21,9 @@ ProfileOpt = Annotated[
 ]
 HostOpt = Annotated[
     str | None,
-    typer.Option("--host", help="Which profile host this machine is (default: detected).",
-                 show_default=False),
+    typer.Option(
+        "--host", help="Which profile host this machine is (default: detected).", show_default=False
+    ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan; change nothing.")]

@@ -31,10 +31,15 @@ def lab_up(profile: ProfileOpt = None, name: NameOpt = "lab", json_: JsonOpt = F
     if json_:
         print_json(lb.as_dict())
         return
-    console.print(f"lab {lb.name!r} up from profile {prof.name!r}; remapped profile: {lb.profile_path}")
+    console.print(
+        f"lab {lb.name!r} up from profile {prof.name!r}; remapped profile: {lb.profile_path}"
+    )
     for h in lb.hosts:
-        console.print(f"  {h.name:8} netns {h.netns:18} {h.interface:8} {h.address:18} "
-                      f"default via {h.gateway} dev wlan0", markup=False)
+        console.print(
+            f"  {h.name:8} netns {h.netns:18} {h.interface:8} {h.address:18} "
+            f"default via {h.gateway} dev wlan0",
+            markup=False,
+        )
 
 
 @lab_app.command("down")
@@ -46,7 +51,11 @@ def lab_down(name: NameOpt = "lab", json_: JsonOpt = False) -> None:
     if json_:
         print_json({"removed": removed})
     else:
-        console.print(f"lab {name!r}: removed {len(removed)} item(s)" if removed else f"lab {name!r}: nothing to remove")
+        console.print(
+            f"lab {name!r}: removed {len(removed)} item(s)"
+            if removed
+            else f"lab {name!r}: nothing to remove"
+        )
 
 
 @lab_app.command("show")

@@ -29,8 +29,10 @@ def profile_check(
         return
     import tomli_w
 
-    console.print(f"[green]OK[/] {path}: profile {prof.name!r}, {len(prof.hosts)} hosts, "
-                  f"head {prof.head.name}, rpc {', '.join(h.name for h in prof.rpc_hosts)}")
+    console.print(
+        f"[green]OK[/] {path}: profile {prof.name!r}, {len(prof.hosts)} hosts, "
+        f"head {prof.head.name}, rpc {', '.join(h.name for h in prof.rpc_hosts)}"
+    )
     console.print(tomli_w.dumps(data), markup=False)
 
 
@@ -54,10 +56,14 @@ def _render_result(res, json_: bool) -> None:
     for note in res.plan.notes:
         console.print(f"[cyan]note:[/] {note}")
     if res.nothing_to_do:
-        console.print(f"{res.action} {res.host} ({res.interface}): nothing to do, link is as profiled")
+        console.print(
+            f"{res.action} {res.host} ({res.interface}): nothing to do, link is as profiled"
+        )
         return
     head = "would apply" if res.dry_run else "applied"
-    console.print(f"{res.action} {res.host} ({res.interface}): {head} {len(res.plan.changes)} change(s)")
+    console.print(
+        f"{res.action} {res.host} ({res.interface}): {head} {len(res.plan.changes)} change(s)"
+    )
     for c in res.plan.changes:
         undo = f"   [dim](undo: {c.undo.summary})[/]" if c.undo else ""
         console.print(f"  - {c.summary}{undo}")
@@ -69,8 +75,12 @@ def register(app: typer.Typer) -> None:
     app.add_typer(profile_app, name="profile")
 
     @app.command()
-    def setup(profile: ProfileOpt = None, host: HostOpt = None, dry_run: DryRunOpt = False,
-              json_: JsonOpt = False) -> None:
+    def setup(
+        profile: ProfileOpt = None,
+        host: HostOpt = None,
+        dry_run: DryRunOpt = False,
+        json_: JsonOpt = False,
+    ) -> None:
         """Configure this host's end of the link: MTU, up, address (no gateway, no default route).
 
         Checks first (interface exists, not the default-route interface, no overlapping
@@ -87,8 +97,12 @@ def register(app: typer.Typer) -> None:
         _render_result(link.setup(prof, h, backend, dry_run=dry_run), json_)
 
     @app.command()
-    def teardown(profile: ProfileOpt = None, host: HostOpt = None, dry_run: DryRunOpt = False,
-                 json_: JsonOpt = False) -> None:
+    def teardown(
+        profile: ProfileOpt = None,
+        host: HostOpt = None,
+        dry_run: DryRunOpt = False,
+        json_: JsonOpt = False,
+    ) -> None:
         """Remove exactly what setup added and restore the previous MTU.
 
         Example: linkctl teardown --profile dgx-mac --dry-run
@@ -116,7 +130,10 @@ def register(app: typer.Typer) -> None:
             dr = st.default_route
             rows = [
                 ("host", f"{st.host} ({st.os}) in profile {st.profile}"),
-                ("interface", f"{f.ifname} {'UP' if f.up else 'DOWN'}, carrier {'yes' if f.carrier else 'no'}"),
+                (
+                    "interface",
+                    f"{f.ifname} {'UP' if f.up else 'DOWN'}, carrier {'yes' if f.carrier else 'no'}",
+                ),
                 ("owner", f"{f.owner}{' (' + f.owner_detail + ')' if f.owner_detail else ''}"),
                 ("addresses", ", ".join(f.addresses) or "none"),
                 ("mtu", str(f.mtu)),
@@ -129,6 +146,8 @@ def register(app: typer.Typer) -> None:
             if not st.drift:
                 console.print(f"{'drift':>14}  {verdict('PASS')} none: link is as profiled")
             for d in st.drift:
-                console.print(f"{'drift':>14}  {verdict(d.severity)} {d.field}: want {d.want}, have {d.have}")
+                console.print(
+                    f"{'drift':>14}  {verdict(d.severity)} {d.field}: want {d.want}, have {d.have}"
+                )
         if not st.ok:
             raise typer.Exit(1)
