@@ -132,7 +132,8 @@ def register(app: typer.Typer) -> None:
                 ("host", f"{st.host} ({st.os}) in profile {st.profile}"),
                 (
                     "interface",
-                    f"{f.ifname} {'UP' if f.up else 'DOWN'}, carrier {'yes' if f.carrier else 'no'}",
+                    f"{f.ifname} {'UP' if f.up else 'DOWN'}, "
+                    f"carrier {'yes' if f.carrier else 'no'}",
                 ),
                 ("owner", f"{f.owner}{' (' + f.owner_detail + ')' if f.owner_detail else ''}"),
                 ("addresses", ", ".join(f.addresses) or "none"),
