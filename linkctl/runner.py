@@ -11,6 +11,7 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from linkctl.errors import InputError
 
@@ -78,6 +79,36 @@ class Runner:
         if check and not result.ok:
             raise CommandFailed(result)
         return result
+
+    def spawn(
+        self,
+        argv: Sequence[str],
+        *,
+        stdout: Any = subprocess.DEVNULL,
+        stderr: Any = subprocess.DEVNULL,
+        env: dict[str, str] | None = None,
+        new_session: bool = False,
+    ) -> subprocess.Popen:
+        """Start a long-running child (a server) and return it; the caller stops it.
+
+        argv list only, recorded in ``history`` like ``run``. A missing binary is
+        an InputError, not a traceback.
+        """
+        argv = tuple(str(a) for a in argv)
+        self.history.append(argv)
+        try:
+            return subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=stdout,
+                stderr=stderr,
+                env=env,
+                start_new_session=new_session,
+            )
+        except FileNotFoundError:
+            raise InputError(
+                f"command not found: {argv[0]}", f"install {argv[0]} or put it on PATH"
+            ) from None
 
 
 _default = Runner()
