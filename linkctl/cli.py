@@ -13,7 +13,7 @@ import sys
 import typer
 
 from linkctl import __version__
-from linkctl.commands import lab, link
+from linkctl.commands import lab, link, serve
 from linkctl.errors import LinkctlError
 
 app = typer.Typer(
@@ -26,7 +26,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-for module in (link, lab):
+for module in (link, lab, serve):
     module.register(app)
 
 

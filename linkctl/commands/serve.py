@@ -1,0 +1,109 @@
+"""serve: rpc-server on rpc hosts, llama-server on the head, supervised; model write-tiny."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from linkctl.commands.common import DryRunOpt, HostOpt, JsonOpt, ProfileOpt, load_with_host
+from linkctl.output import console, print_json, warn_line
+
+model_app = typer.Typer(help="Model files for tests and the lab.", no_args_is_help=True)
+
+
+@model_app.command("write-tiny")
+def write_tiny(
+    path: Annotated[str, typer.Argument(help="Where to write the .gguf file.")],
+    layers: Annotated[int, typer.Option("--layers", help="Transformer blocks.")] = 4,
+    embd: Annotated[int, typer.Option("--embd", help="Embedding width.")] = 64,
+    ff: Annotated[int, typer.Option("--ff", help="Feed-forward width.")] = 128,
+    seed: Annotated[int, typer.Option("--seed", help="Random seed (same seed, same bytes).")] = 0,
+    json_: JsonOpt = False,
+) -> None:
+    """Write a tiny random-weight llama GGUF (byte-level vocab); nothing is downloaded.
+
+    Example: linkctl model write-tiny /tmp/tiny.gguf --layers 4
+    """
+    from linkctl.tinymodel import TinySpec, write_tiny_llama
+
+    info = write_tiny_llama(path, TinySpec(n_layer=layers, n_embd=embd, n_ff=ff, seed=seed))
+    if json_:
+        print_json(info)
+    else:
+        console.print(
+            f"wrote {info['path']}: {info['params']} params, {info['n_layer']} layers, "
+            f"{info['bytes']} bytes",
+            markup=False,
+        )
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(model_app, name="model")
+
+    @app.command()
+    def serve(
+        profile: ProfileOpt = None,
+        host: HostOpt = None,
+        model: Annotated[
+            str | None,
+            typer.Option(
+                "--model",
+                "-m",
+                help="Model file (overrides serve.model; head only).",
+                show_default=False,
+            ),
+        ] = None,
+        skip_probe: Annotated[
+            bool, typer.Option("--skip-probe", help="Serve without a passing probe report (warns).")
+        ] = False,
+        wait: Annotated[
+            float,
+            typer.Option("--wait", help="Head: seconds to wait for the rpc endpoints to answer."),
+        ] = 60.0,
+        dry_run: DryRunOpt = False,
+        json_: JsonOpt = False,
+    ) -> None:
+        """Start this host's half of the pair and keep it running.
+
+        rpc host: ggml-rpc-server bound to the link address only, ready when HELLO
+        answers. Head: gate on the probe report, HELLO every rpc endpoint and compare
+        RPC protocol versions, then llama-server --rpc ..., ready when /health answers.
+        Both restart their server with backoff and forward SIGTERM/SIGINT.
+
+        Examples:
+          linkctl serve --dry-run
+          linkctl serve --profile dgx-mac --host dgx
+          linkctl serve --host mac --model /models/m.gguf
+        """
+        from linkctl import serve as sv
+        from linkctl.llama import find_bins
+
+        prof, h, backend = load_with_host(profile, host)
+        bins = find_bins(h.llama_bin_dir)
+        plan = sv.build_plan(prof, h, bins, model)
+        if dry_run:
+            if json_:
+                print_json(plan.as_dict())
+                return
+            for note in plan.notes:
+                console.print(f"[cyan]note:[/] {note}")
+            for name, argv in plan.rpc_argv.items():
+                console.print(f"rpc  {name}: {' '.join(argv)}", markup=False)
+            console.print(f"head {prof.head.name}: {' '.join(plan.head_argv)}", markup=False)
+            return
+        if json_:
+            print_json(plan.as_dict())
+        if h.role == "rpc":
+            bins.need("rpc-server")
+            raise typer.Exit(sv.run_rpc(plan, h, backend))
+        bins.need("llama-server")
+        sv.model_path_check(plan.model)
+        if skip_probe:
+            warn_line("--skip-probe: serving without a passing probe report for this link")
+        else:
+            import sys
+
+            for line in sv.probe_gate(prof, h):
+                sys.stderr.write(f"linkctl: {line}\n")
+        raise typer.Exit(sv.run_head(plan, prof, bins, wait_s=wait))
