@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -131,6 +132,51 @@ def wait_for_carrier(
             "check the cable and that the peer's port is up",
         )
     return facts
+
+
+def wait_for_link_carrier(
+    backend: Backend, ifname: str, timeout: float, *, log: Callable[[str], None] | None = None
+) -> float | None:
+    """The boot-time wait behind ``setup --wait-carrier``: launchd cannot order a job on
+    an interface, so linkctl waits itself, bounded, saying so in one log line.
+
+    Waits for ``ifname`` to exist (an adapter may register late), then, if it is
+    administratively up, for carrier. Returns the seconds waited, or None when the port
+    is down: carrier cannot be seen until setup brings it up (call again afterwards).
+    Raises InputError when ``timeout`` runs out.
+    """
+    say = log or (lambda _m: None)
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    said = False
+    while True:
+        try:
+            facts = backend.link_facts(ifname)
+            break
+        except InputError:
+            if time.monotonic() >= deadline:
+                raise
+            if not said:
+                say(f"waiting up to {timeout:g} s for interface {ifname} to appear")
+                said = True
+            time.sleep(0.25)
+    if facts.carrier:
+        return time.monotonic() - t0
+    if not facts.up:
+        say(f"{ifname} is down: carrier shows only once setup brings it up")
+        return None
+    say(f"waiting up to {timeout:g} s for carrier on {ifname}")
+    remaining = max(0.0, deadline - time.monotonic())
+    try:
+        wait_for_carrier(backend, ifname, remaining)
+    except InputError:
+        raise InputError(
+            f"no carrier on {ifname} after {timeout:g} s (--wait-carrier)",
+            "check the cable and that the peer's port is up",
+        ) from None
+    waited = time.monotonic() - t0
+    say(f"carrier on {ifname} after {waited:.1f} s")
+    return waited
 
 
 def _check_address_free(host: HostSpec, facts: LinkFacts) -> None:

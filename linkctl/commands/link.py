@@ -71,6 +71,22 @@ def _render_result(res, json_: bool) -> None:
         console.print(f"done in {res.elapsed_s * 1000:.0f} ms; default route unchanged")
 
 
+def _say(message: str) -> None:
+    """One plain line on stderr: what a boot service's log shows."""
+    import sys
+
+    print(f"linkctl setup: {message}", file=sys.stderr, flush=True)
+
+
+def _carrier_after_setup(link, backend, ifname: str, timeout: float) -> None:
+    from linkctl.errors import CheckFailed, InputError
+
+    try:
+        link.wait_for_link_carrier(backend, ifname, timeout, log=_say)
+    except InputError as e:
+        raise CheckFailed(f"{e.message}; the link is configured", e.fix) from None
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(profile_app, name="profile")
 
@@ -80,6 +96,16 @@ def register(app: typer.Typer) -> None:
         host: HostOpt = None,
         dry_run: DryRunOpt = False,
         json_: JsonOpt = False,
+        wait_carrier: Annotated[
+            float | None,
+            typer.Option(
+                "--wait-carrier",
+                metavar="SECONDS",
+                help="Boot services: wait up to SECONDS for the interface and its carrier "
+                "first (a port that is down is waited for right after setup brings it up).",
+                show_default=False,
+            ),
+        ] = None,
     ) -> None:
         """Configure this host's end of the link: MTU, up, address (no gateway, no default route).
 
@@ -90,11 +116,17 @@ def register(app: typer.Typer) -> None:
         Examples:
           linkctl setup --profile dgx-mac --dry-run
           linkctl setup --profile dgx-mac --host dgx --json
+          linkctl setup --profile dgx-mac --host mac --wait-carrier 120   # launchd at boot
         """
         from linkctl import link
 
         prof, h, backend = load_with_host(profile, host)
+        waited = None
+        if wait_carrier and not dry_run:
+            waited = link.wait_for_link_carrier(backend, h.interface, wait_carrier, log=_say)
         _render_result(link.setup(prof, h, backend, dry_run=dry_run), json_)
+        if wait_carrier and not dry_run and waited is None:
+            _carrier_after_setup(link, backend, h.interface, wait_carrier)
 
     @app.command()
     def teardown(
