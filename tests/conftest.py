@@ -114,7 +114,7 @@ def ns_snapshot(netns: str) -> dict:
         for i in a.get("addr_info", [])
         if i.get("family") == "inet"
     )
-    routes = ip("route", "show", "table", "all")
+    routes = ip("-4", "route", "show", "table", "all")
     return {"links": links, "addrs": addrs, "routes": routes}
 
 

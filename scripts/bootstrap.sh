@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# One entry point for a fresh Debian/Ubuntu machine, run as root from a clean clone:
+#
+#   bash scripts/bootstrap.sh demo    install everything, then run `linkctl lab demo`
+#   bash scripts/bootstrap.sh test    install everything, then run the whole test suite
+#   bash scripts/bootstrap.sh install install only
+#
+# Installs the Debian packages, a virtualenv in .venv with linkctl and its PyPI
+# dependencies, and builds llama.cpp's ggml-rpc-server + llama-server (cached by
+# version under /var/cache/linkctl, so only the first run pays for the build).
+set -euo pipefail
+
+mode="${1:-install}"
+shift || true
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo"
+
+if [ "$(id -u)" != 0 ]; then
+  echo "bootstrap: run as root (network namespaces, packages): sudo bash scripts/bootstrap.sh $mode" >&2
+  exit 2
+fi
+
+# iperf3/sockperf: probe and its benchmark; iproute2: the lab's `ip netns exec`;
+# cmake/g++: the llama.cpp build; systemd: systemd-analyze for the unit tests.
+apt_pkgs=(python3 python3-venv python3-pip iperf3 sockperf iproute2 iputils-ping cmake g++ make
+  systemd ca-certificates curl)
+missing=()
+for p in "${apt_pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "bootstrap: apt-get install ${missing[*]}" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+py="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$py" -m venv .venv
+fi
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+
+bin="$(PYTHON=.venv/bin/python bash scripts/build-llama.sh)"
+export LINKCTL_LLAMA_BIN="$bin"
+export PATH="$repo/.venv/bin:$PATH"
+
+case "$mode" in
+  install) echo "bootstrap: installed; llama.cpp binaries in $bin" ;;
+  demo) exec .venv/bin/linkctl lab demo "$@" ;;
+  test) exec .venv/bin/python -m pytest -ra -q "$@" ;;
+  *) echo "bootstrap: unknown mode '$mode' (use demo, test or install)" >&2; exit 2 ;;
+esac
