@@ -183,6 +183,24 @@ class ModelInfo:
         frac = self.expert_used_count / self.expert_count
         return [t - e + round(e * frac) for t, e in zip(total, experts, strict=True)]
 
+    def layer_params(self, active: bool = False) -> list[int]:
+        """Weights (elements) of each block; ``active``: routed experts scaled to the
+        share used per token (what a token's matrix products multiply)."""
+        out = [0] * self.block_count
+        frac = self.expert_used_count / self.expert_count if self.expert_count else 1.0
+        for t in self.tensors:
+            li = t.layer
+            if li is not None and li < self.block_count:
+                out[li] += round(t.nelements * frac) if (active and t.is_expert) else t.nelements
+        return out
+
+    @property
+    def output_params(self) -> int:
+        out = next((t for t in self.tensors if t.name == "output.weight"), None)
+        if out is None:
+            out = next((t for t in self.tensors if t.name == "token_embd.weight"), None)
+        return out.nelements if out else 0
+
     @property
     def embedding_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors if t.name.startswith("token_embd"))

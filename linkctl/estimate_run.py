@@ -1,0 +1,201 @@
+"""Gather what `linkctl estimate` needs (profile, probe report, calibrations, the
+GGUF header), call the pure model in linkctl.estimate, render the result."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from linkctl.catalog import apply_calibration, get_device, load_calibrations, load_catalog
+from linkctl.errors import InputError
+from linkctl.estimate import GIB, Estimate, LinkFigures, Participant, estimate, split_devices
+from linkctl.paths import state_dir
+from linkctl.profile import Profile
+
+
+def probe_report_path() -> Path:
+    return state_dir() / "probe" / "latest.json"
+
+
+def _smallest_latency(report: dict[str, Any]) -> tuple[float, str] | None:
+    lat = report.get("latency") or {}
+    for kind in ("tcp", "udp"):
+        by_size = lat.get(kind) or {}
+        sizes = sorted((int(k), v) for k, v in by_size.items() if str(k).isdigit()
+                       and isinstance(v, dict) and v.get("p50_us"))
+        if sizes:
+            size, v = sizes[0]
+            return float(v["p50_us"]), f"{kind} {size}-byte p50"
+    return None
+
+
+def _throughput(report: dict[str, Any]) -> tuple[float, str] | None:
+    th = report.get("throughput") or {}
+    for key in ("fwd_p1", "rev_p1", *th.keys()):
+        v = th.get(key)
+        if isinstance(v, dict) and v.get("gbps"):
+            return float(v["gbps"]), key
+    return None
+
+
+def link_figures(probe: Path | None, rtt_us: float | None,
+                 throughput_gbps: float | None) -> LinkFigures:
+    """Flags win; else the probe report. No report and no flags: exit 2."""
+    for name, v in (("--rtt-us", rtt_us), ("--throughput-gbps", throughput_gbps)):
+        if v is not None and v <= 0:
+            raise InputError(f"{name} {v:g}: must be > 0", f"give a positive {name}")
+    path = probe or probe_report_path()
+    report: dict[str, Any] | None = None
+    if path.is_file():
+        try:
+            report = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            raise InputError(f"probe report {path} is not JSON", "re-run `linkctl probe`") from None
+    elif probe is not None:
+        raise InputError(f"--probe {probe}: no such file", "give a `linkctl probe --json` report")
+    if report is None and (rtt_us is None or throughput_gbps is None):
+        raise InputError(
+            f"no probe report at {path} and no --rtt-us/--throughput-gbps",
+            "run `linkctl probe` first, or pass --rtt-us and --throughput-gbps",
+        )
+    src = []
+    if rtt_us is None:
+        got = _smallest_latency(report or {})
+        if got is None:
+            raise InputError(f"probe report {path} has no latency figures",
+                             "re-run `linkctl probe` or pass --rtt-us")
+        rtt_us = got[0]
+        src.append(f"RTT from {path} ({got[1]})")
+    else:
+        src.append("RTT from --rtt-us")
+    if throughput_gbps is None:
+        got2 = _throughput(report or {})
+        if got2 is None:
+            raise InputError(f"probe report {path} has no throughput figures",
+                             "re-run `linkctl probe` or pass --throughput-gbps")
+        throughput_gbps = got2[0]
+        src.append(f"throughput from {path} ({got2[1]})")
+    else:
+        src.append("throughput from --throughput-gbps")
+    return LinkFigures(rtt_us=rtt_us, throughput_gbps=throughput_gbps, source="; ".join(src))
+
+
+def participants(prof: Profile, query_rpc: bool = False,
+                 calibration: list[Path] | None = None) -> tuple[list[Participant], list[str]]:
+    catalog = load_catalog()
+    cals = load_calibrations(calibration)
+    notes: list[str] = []
+    out = []
+    for i, h in enumerate(prof.hosts):
+        dev = apply_calibration(get_device(catalog, h.device, f"hosts[{i}]"), cals.get(h.name))
+        mem_gb = h.memory_gb or dev.memory_gb
+        free = mem_gb * GIB * dev.usable_fraction
+        free_src = (f"{'profile' if h.memory_gb else 'catalog'} memory_gb {mem_gb:g} x "
+                    f"usable {dev.usable_fraction:g}")
+        if query_rpc and h.role == "rpc":
+            from linkctl.rpc import query
+
+            info = query(h.ip, h.rpc.port, timeout=3.0)
+            if info.devices:
+                free = float(sum(d.free for d in info.devices))
+                free_src = f"rpc-server {h.rpc_endpoint} GET_DEVICE_MEMORY free"
+        overhead = float((cals.get(h.name) or {}).get("rpc_overhead_us") or 0.0)
+        if h.role == "rpc" and not overhead:
+            notes.append(f"{h.name}: no measured RPC per-token overhead (run `linkctl calibrate "
+                         "--rpc` there); counted as 0")
+        if not dev.calibrated_bandwidth_gbs:
+            notes.append(f"{h.name}: catalog figures for {dev.key} (not calibrated on this "
+                         "host)")
+        out.append(Participant(h.name, h.role, dev, free, free_src, overhead))
+    return out, notes
+
+
+def parse_split(text: str | None) -> list[float] | None:
+    if text is None:
+        return None
+    try:
+        vals = [float(x) for x in text.replace("/", ",").split(",") if x.strip()]
+    except ValueError:
+        raise InputError(f"--tensor-split {text!r}: not numbers", "write e.g. 3,1") from None
+    if not vals or any(v < 0 for v in vals):
+        raise InputError(f"--tensor-split {text!r}: needs non-negative weights", "e.g. 3,1")
+    return vals
+
+
+def run_estimate(prof: Profile, model_path: Path, *, probe: Path | None = None,
+                 tensor_split: str | None = None, ctx: int | None = None, prompt: int = 512,
+                 rtt_us: float | None = None, throughput_gbps: float | None = None,
+                 query_rpc: bool = False, calibration: list[Path] | None = None) -> Estimate:
+    from linkctl.gguf_info import read_model
+
+    model = read_model(model_path)
+    if prompt < 1:
+        raise InputError(f"--prompt {prompt}: must be at least 1", "e.g. --prompt 512")
+    parts, notes = participants(prof, query_rpc, calibration)
+    link = link_figures(probe, rtt_us, throughput_gbps) if prof.rpc_hosts else None
+    est = estimate(model, parts, link, ctx or prof.serve.ctx, parse_split(tensor_split),
+                   ngl=prof.serve.ngl, n_prompt=prompt)
+    est.warnings += notes
+    est.model["split_order"] = [p.host for p in split_devices(parts)]
+    return est
+
+
+def _gib(b: float) -> str:
+    return f"{b / GIB:.1f} GiB"
+
+
+def render(est: Estimate) -> None:
+    from linkctl.output import console
+
+    m = est.model
+    moe = (f", MoE {m['expert_used_count']}/{m['expert_count']} experts per token"
+           if m["expert_count"] else "")
+    console.print(f"[bold]{m['name'] or Path(m['path']).name}[/] ({m['architecture']}, "
+                  f"{m['block_count']} layers, {_gib(m['total_bytes'])} weights{moe})")
+    if est.link:
+        console.print(f"link: RTT {est.link.rtt_us:.0f} µs, {est.link.throughput_gbps:.2f} Gbit/s "
+                      f"[dim]({est.link.source})[/]")
+    fits = "[green]yes[/]" if est.fits_head_alone else "[red]no[/]"
+    local = est.local
+    assert local is not None
+    console.print(f"fits on the head alone at ctx {est.ctx}: {fits} "
+                  f"(needs {_gib(local.devices[0].need_bytes)}, has "
+                  f"{_gib(local.devices[0].free_bytes)})")
+    console.print()
+    console.print(f"{'':22}{'decode tok/s':>14}{'prefill tok/s':>15}  split (layers+output)")
+    rows = [("local only", local)]
+    if est.split:
+        rows.append(("split (llama.cpp)", est.split))
+    if est.recommended:
+        rows.append(("split (recommended)", est.recommended))
+    for label, sc in rows:
+        note = "" if sc.fits else "  [red]does not fit[/]"
+        split = ",".join(map(str, sc.tensor_split)) if sc.name != "local" else "-"
+        console.print(f"{label:22}{sc.decode_tok_s:>14.1f}{sc.prefill_tok_s:>15.0f}  "
+                      f"{split}{note}")
+    if est.split:
+        s = est.split
+        console.print()
+        console.print(
+            f"network per token: {s.network_us:.0f} µs = {s.round_trips_per_token} round trip(s) "
+            f"x {est.link.rtt_us:.0f} µs + {s.bytes_crossing_per_token / 1024:.1f} KiB transfer "
+            f"({s.network_transfer_us:.0f} µs)"
+            + (f" + RPC overhead {s.network_overhead_us:.0f} µs" if s.network_overhead_us else "")
+        )
+        console.print(
+            f"network per layer: {est.network_per_layer_us:.1f} µs; one layer decodes in "
+            f"{est.layer_us:.0f} µs, so the link costs as much as {est.link_equiv_layers:.2f} "
+            "layers per token"
+        )
+        console.print(f"[dim]{est.per_layer_derivation}[/]")
+        console.print(f"dominant term (split): {s.dominant} "
+                      f"({s.terms_us[s.dominant]:.0f} µs of {s.decode_us:.0f} µs per token)")
+    if est.recommended:
+        order = est.model.get("split_order", [])
+        console.print(f"recommended --tensor-split {','.join(map(str, est.recommended.tensor_split))}"
+                      f" [dim](order: {', '.join(order)})[/]")
+    console.print()
+    console.print(f"[bold]recommendation: {est.recommendation}[/] — {est.reason}")
+    for w in est.warnings:
+        console.print(f"[yellow]note:[/] {w}")
