@@ -1,0 +1,273 @@
+"""serve: plan argv lines, the bind refusal, the probe gate, the supervisor, the tiny model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, linkctl
+
+from linkctl import serve as sv
+from linkctl.errors import CheckFailed, InputError
+from linkctl.llama import Binary, LlamaBins, compatible
+from linkctl.profile import RpcSpec, load_profile
+
+BINS = LlamaBins(
+    rpc_server=Binary("rpc-server", "/opt/llama/bin/ggml-rpc-server", "test"),
+    llama_server=Binary("llama-server", "/opt/llama/bin/llama-server", "test"),
+)
+
+
+def test_plan_rpc_and_head_argv():
+    prof, _ = load_profile("dgx-mac")
+    plan = sv.build_plan(prof, prof.host("dgx"), BINS)
+    assert plan.role == "rpc"
+    assert plan.argv == [
+        "/opt/llama/bin/ggml-rpc-server",
+        "-H",
+        "192.168.100.2",
+        "-p",
+        "50052",
+        "-c",
+    ]
+    # the head line names the binary by name: it is resolved on the head
+    assert plan.head_argv == [
+        "llama-server",
+        "-m",
+        "/Users/Shared/models/model.gguf",
+        "--rpc",
+        "192.168.100.2:50052",
+        "-ngl",
+        "99",
+        "-c",
+        "4096",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "9999",
+    ]
+    head = sv.build_plan(prof, prof.host("mac"), BINS, model="/m/x.gguf")
+    assert head.argv[0] == "/opt/llama/bin/llama-server"
+    assert head.argv[1:3] == ["-m", "/m/x.gguf"]
+    assert head.health_url == "http://127.0.0.1:9999/health"
+
+
+def test_plan_two_rpc_hosts_tensor_split_and_options(tmp_path):
+    prof, _ = load_profile("dgx2-mac-switch")
+    data = prof.to_toml_dict()
+    data["serve"]["tensor_split"] = [3, 1, 2]  # dgx1, dgx2, mac (profile order)
+    data["serve"]["extra_args"] = ["--no-mmap"]
+    data["hosts"][1]["rpc"] |= {
+        "threads": 8,
+        "device": "CUDA0",
+        "cache": True,
+        "extra_args": ["--foo"],
+    }
+    from linkctl.profile import parse_profile
+
+    prof = parse_profile(data)
+    plan = sv.build_plan(prof, prof.head, BINS, model="/m.gguf")
+    assert plan.endpoints == ["192.168.100.2:50052", "192.168.100.3:50052"]
+    a = plan.head_argv
+    assert a[a.index("--rpc") + 1] == "192.168.100.2:50052,192.168.100.3:50052"
+    # RPC devices first in --rpc order, then the head's own
+    assert a[a.index("-ts") + 1] == "3,1,2"
+    assert a[-1] == "--no-mmap"
+    assert plan.rpc_argv["dgx2"] == [
+        "ggml-rpc-server",
+        "-H",
+        "192.168.100.3",
+        "-p",
+        "50052",
+        "-t",
+        "8",
+        "-d",
+        "CUDA0",
+        "-c",
+        "--foo",
+    ]
+
+
+def test_wildcard_bind_refused_by_profile_and_by_plan(tmp_path):
+    src = (REPO / "profiles" / "dgx-mac.toml").read_text()
+    bad = tmp_path / "wild.toml"
+    bad.write_text(src.replace("port = 50052", 'port = 50052\nbind = "0.0.0.0"'))
+    r = linkctl("serve", "--profile", str(bad), "--host", "dgx", "--dry-run")
+    assert r.returncode == 2
+    assert "rpc.bind" in r.stderr and "wildcard" in r.stderr and "Traceback" not in r.stderr
+    # the plan refuses too, should a host spec ever bypass profile validation
+    prof, _ = load_profile("dgx-mac")
+    dgx = prof.host("dgx")
+    for bind, what in (("0.0.0.0", "wildcard"), ("192.168.100.1", "link address")):
+        forged = dgx.model_copy(
+            update={
+                "rpc": RpcSpec.model_construct(
+                    port=50052,
+                    bind=__import__("ipaddress").IPv4Address(bind),
+                    threads=None,
+                    device=None,
+                    cache=False,
+                    extra_args=[],
+                )
+            }
+        )
+        with pytest.raises(InputError, match=what):
+            sv.rpc_argv(forged, "ggml-rpc-server")
+
+
+def test_dry_run_prints_both_lines():
+    r = linkctl(
+        "serve", "--profile", "dgx-mac", "--host", "mac", "--dry-run", "--model", "/tmp/m.gguf"
+    )
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith(("rpc ", "head "))]
+    assert lines[0].startswith("rpc  dgx: ") and "-H 192.168.100.2 -p 50052" in lines[0]
+    assert lines[1].startswith("head mac: ") and "--rpc 192.168.100.2:50052" in lines[1]
+    r = linkctl("serve", "--profile", "dgx-mac", "--host", "dgx", "--dry-run", "--json")
+    plan = json.loads(r.stdout)
+    assert plan["role"] == "rpc" and plan["bind"] == "192.168.100.2"
+
+
+def _report(d: Path, name: str, **kw) -> None:
+    base = {
+        "profile": "dgx-mac",
+        "host": "mac",
+        "peer": "dgx",
+        "peer_address": "192.168.100.2",
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "ok": True,
+        "exit_code": 0,
+        "checks": [],
+    }
+    d.mkdir(parents=True, exist_ok=True)
+    (d / name).write_text(json.dumps(base | kw))
+
+
+def test_probe_gate(tmp_path):
+    prof, _ = load_profile("dgx-mac")
+    d = tmp_path / "probe"
+    with pytest.raises(CheckFailed, match="no probe report"):
+        sv.probe_gate(prof, prof.head, directory=d)
+    _report(d, "other.json", profile="dgx2-mac-switch")
+    with pytest.raises(CheckFailed, match="no probe report"):
+        sv.probe_gate(prof, prof.head, directory=d)
+    _report(d, "latest.json", ok=False, checks=[{"name": "throughput", "verdict": "FAIL"}])
+    with pytest.raises(CheckFailed, match=r"failed \(throughput\)"):
+        sv.probe_gate(prof, prof.head, directory=d)
+    _report(d, "latest.json", time="2020-01-01T00:00:00Z")
+    with pytest.raises(CheckFailed, match="h old"):
+        sv.probe_gate(prof, prof.head, directory=d)
+    _report(d, "latest.json")
+    lines = sv.probe_gate(prof, prof.head, directory=d)
+    assert len(lines) == 1 and "ok" in lines[0]
+
+
+def test_protocol_compatibility_rule():
+    assert compatible((7, 0, 0), (7, 0, 0))
+    assert compatible((7, 1, 0), (7, 0, 3))
+    assert not compatible((7, 0, 0), (7, 1, 0))  # server newer minor
+    assert not compatible((7, 0, 0), (3, 0, 0))
+    assert not compatible((3, 6, 0), (7, 0, 0))
+
+
+# ---- supervisor ------------------------------------------------------------------
+
+
+def _sup(argv, tmp_path, **kw):
+    import io
+
+    from linkctl.supervise import ChildSpec, Policy, Supervisor
+
+    pol = Policy(
+        backoff_initial=0.1,
+        backoff_max=0.4,
+        max_starts=kw.pop("max_starts", 4),
+        window=60,
+        stop_timeout=2,
+        poll_s=0.05,
+    )
+    out = io.StringIO()
+    sup = Supervisor(
+        ChildSpec("child", argv, **kw), policy=pol, log=out, status_path=tmp_path / "status.json"
+    )
+    return sup, out
+
+
+def test_supervisor_restarts_with_backoff_then_gives_up(tmp_path):
+    sup, out = _sup(
+        [sys.executable, "-c", "print('hi', flush=True); raise SystemExit(3)"],
+        tmp_path,
+        max_starts=4,
+    )
+    t0 = time.monotonic()
+    assert sup.run(install_signals=False) == 1
+    took = time.monotonic() - t0
+    log = out.getvalue()
+    assert sup.status.starts == 4 and sup.status.state == "stopped"
+    assert log.count("(exit 3)") == 4 and "gave up: 4 starts" in log
+    assert "child| hi" in log
+    # backoff 0.1, 0.2, 0.4, 0.4 between the starts
+    assert took >= 1.0
+    for line in log.splitlines():  # every line timestamped
+        assert line[:4].isdigit() and line[10] == "T", line
+    st = json.loads((tmp_path / "status.json").read_text())
+    assert [e["event"] for e in st["events"]].count("start") == 4
+
+
+def test_supervisor_ready_health_restart_and_stop(tmp_path):
+    flag = tmp_path / "ready"
+    script = f"import pathlib,time; pathlib.Path({str(flag)!r}).write_text('1'); time.sleep(60)"
+    unhealthy = {"n": 0}
+
+    def healthy(pid: int):
+        # unhealthy once, on the first start's first check
+        if unhealthy["n"] == 0:
+            unhealthy["n"] = 1
+            return "test says so"
+        return None
+
+    sup, out = _sup(
+        [sys.executable, "-c", script],
+        tmp_path,
+        ready=flag.exists,
+        healthy=healthy,
+        health_interval=0.1,
+    )
+    t = threading.Thread(target=sup.run, kwargs={"install_signals": False})
+    t.start()
+    deadline = time.monotonic() + 20
+    while sup.status.starts < 2 or sup.status.state != "ready":
+        assert time.monotonic() < deadline, out.getvalue()
+        time.sleep(0.05)
+    pid = sup.status.child_pid
+    sup.request_stop()
+    t.join(10)
+    assert not t.is_alive()
+    log = out.getvalue()
+    assert "unhealthy: test says so" in log and "ready after" in log
+    assert subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode != 0
+
+
+def test_tiny_model_deterministic_and_readable(tmp_path):
+    import gguf
+
+    from linkctl.tinymodel import N_VOCAB, TinySpec, write_tiny_llama
+
+    a = write_tiny_llama(tmp_path / "a.gguf", TinySpec(n_layer=3, seed=7))
+    write_tiny_llama(tmp_path / "b.gguf", TinySpec(n_layer=3, seed=7))
+    write_tiny_llama(tmp_path / "c.gguf", TinySpec(n_layer=3, seed=8))
+    ra, rb, rc = ((tmp_path / n).read_bytes() for n in ("a.gguf", "b.gguf", "c.gguf"))
+    assert ra == rb and ra != rc and a["tensors"] == 3 + 9 * 3
+    r = gguf.GGUFReader(str(tmp_path / "a.gguf"))
+    kv = {f.name: f for f in r.fields.values()}
+    assert kv["general.architecture"].contents() == "llama"
+    assert kv["llama.block_count"].contents() == 3
+    assert kv["tokenizer.ggml.model"].contents() == "llama"
+    assert len(kv["tokenizer.ggml.tokens"].contents()) == N_VOCAB
+    names = {t.name for t in r.tensors}
+    assert "blk.2.ffn_down.weight" in names and "output.weight" in names
