@@ -6,27 +6,37 @@ Heavy modules (pyroute2, scapy, gguf) are imported inside the commands so
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
+import re
 import sys
+from typing import Any
+
+# Plain click help: typer's rich help pulls in rich.markdown and markdown-it,
+# tripling `linkctl --help` start-up time. Tables and progress still use rich.
+os.environ.setdefault("TYPER_USE_RICH", "0")
 
 import typer
 
 from linkctl import __version__
-from linkctl.commands import lab, link, serve
+from linkctl.commands import estimate, lab, link, serve
 from linkctl.errors import LinkctlError
 
 app = typer.Typer(
     name="linkctl",
     help="Verified, measured direct links for llama.cpp RPC split inference.\n\n"
-    "  linkctl setup --profile dgx-mac   configure this host's end of the link\n\n"
-    "  linkctl status                    the link versus the profile\n\n"
-    "  linkctl lab up                    namespaces standing in for the hosts",
+    "\b\n"
+    "  linkctl setup --profile dgx-mac   configure this host's end of the link\n"
+    "  linkctl probe                     verify and measure the link\n"
+    "  linkctl estimate --model m.gguf   predict decode/prefill tokens/s\n"
+    "  linkctl serve                     launch rpc-server / llama-server\n"
+    "  linkctl lab demo                  the whole path in namespaces, one command",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-for module in (link, lab, serve):
+for module in (link, lab, serve, estimate):
     module.register(app)
 
 
@@ -42,9 +52,20 @@ def _root(
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
 
+def _keep_examples(cmd: Any) -> None:
+    """Click rewraps help paragraphs; a paragraph led by \\b is kept as written, so
+    every "Examples:" block in a docstring keeps one command per line."""
+    if cmd.help:
+        cmd.help = re.sub(r"(^|\n)(Examples?:\n)", r"\1\b\n\2", inspect.cleandoc(cmd.help))
+    for sub in getattr(cmd, "commands", {}).values():
+        _keep_examples(sub)
+
+
 def main() -> None:
+    cmd = typer.main.get_command(app)
+    _keep_examples(cmd)
     try:
-        app()
+        cmd(prog_name="linkctl")
     except LinkctlError as e:
         from linkctl.output import error_line
 

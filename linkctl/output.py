@@ -7,10 +7,25 @@ import json
 import sys
 from typing import Any
 
-from rich.console import Console
 
-console = Console(highlight=False, soft_wrap=True)
-err_console = Console(stderr=True, highlight=False)
+class _LazyConsole:
+    """A rich Console created on first use: importing rich costs ~50 ms, which
+    `linkctl --help` and --json runs need not pay."""
+
+    def __init__(self, **kwargs: Any):
+        self._kwargs = kwargs
+        self._console = None
+
+    def __getattr__(self, name: str) -> Any:
+        if self._console is None:
+            from rich.console import Console
+
+            self._console = Console(**self._kwargs)
+        return getattr(self._console, name)
+
+
+console = _LazyConsole(highlight=False, soft_wrap=True)
+err_console = _LazyConsole(stderr=True, highlight=False, soft_wrap=True)
 
 VERDICT_STYLE = {"PASS": "green", "WARN": "yellow", "FAIL": "red", "SKIP": "dim", "INFO": "cyan"}
 

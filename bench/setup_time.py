@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""bench/setup_time: how long `linkctl setup` takes in the lab, next to iproute2.
+
+Run as root from the repo:  .venv/bin/python bench/setup_time.py [--rounds 5]
+
+Prints, per round and as medians:
+  - apply: linkctl's own elapsed time for a setup that changes MTU, up, address
+    (the peer end is already up, so carrier is there and the duplicate-address
+    ARP probe runs, as on a real cable);
+  - re-run: the idempotent second setup (zero changes), whole process wall time;
+  - the same three changes made with `ip link`/`ip addr` (reference), wall time;
+  - `linkctl --help` wall time next to `python -c pass`.
+Targets (issue 2): apply < 1 s, re-run < 0.5 s, --help < 0.3 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+PY = sys.executable
+
+
+def wall(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, str]:
+    t0 = time.perf_counter()
+    r = subprocess.run(argv, capture_output=True, text=True, env=env)
+    dt = time.perf_counter() - t0
+    if r.returncode != 0:
+        raise SystemExit(f"{' '.join(argv)} failed: {r.stderr.strip()}")
+    return dt, r.stdout
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    os.environ.setdefault("LINKCTL_STATE_DIR", tempfile.mkdtemp(prefix="linkctl-bench-"))
+    from linkctl import lab as labmod
+    from linkctl.profile import load_profile
+
+    prof, _ = load_profile("dgx-mac")
+    apply_s, rerun_s, ip_s, help_s, pass_s = [], [], [], [], []
+    for _ in range(args.rounds):
+        name = "b" + uuid.uuid4().hex[:6]
+        lb = labmod.up(prof, name)
+        try:
+            mac, dgx = lb.host("mac"), lb.host("dgx")
+
+            def run(host, *a, _lb=lb):
+                argv, env = labmod.exec_argv(_lb, host, ["linkctl", *a])
+                return wall(argv, env)
+
+            run("mac", "setup")  # the peer end is up first
+            _, out = run("dgx", "setup", "--json")
+            apply_s.append(json.loads(out)["elapsed_s"])
+            dt, out = run("dgx", "setup", "--json")
+            assert json.loads(out)["nothing_to_do"]
+            rerun_s.append(dt)
+            # Reference: the same three changes on the mac end with iproute2, after teardown.
+            run("mac", "teardown")
+            ns = mac.netns
+            t0 = time.perf_counter()
+            for cmd in (["link", "set", "en0", "mtu", "9000"], ["link", "set", "en0", "up"],
+                        ["addr", "add", mac.address, "dev", "en0"]):
+                subprocess.run(["ip", "-n", ns, *cmd], check=True)
+            ip_s.append(time.perf_counter() - t0)
+            del dgx
+        finally:
+            labmod.down(name)
+        help_s.append(wall([PY, "-m", "linkctl", "--help"])[0])
+        pass_s.append(wall([PY, "-c", "pass"])[0])
+
+    med = statistics.median
+    rows = [
+        ("setup apply (3 changes, ARP probe incl.)", med(apply_s), med(ip_s), "ip link/addr x3", 1.0),
+        ("setup re-run, 0 changes (process wall)", med(rerun_s), None, "", 0.5),
+        ("linkctl --help (process wall)", med(help_s), med(pass_s), "python -c pass", 0.3),
+    ]
+    print(f"rounds: {args.rounds}; medians; machine: {os.cpu_count()} cores")
+    print(f"{'measure':44} {'linkctl':>9} {'reference':>10} {'ratio':>7} {'target':>8}")
+    for label, v, ref, ref_name, target in rows:
+        ratio = f"{v / ref:6.1f}x" if ref else "      -"
+        refs = f"{ref * 1000:7.1f} ms" if ref else "         -"
+        ok = "ok" if v < target else "MISSED"
+        print(f"{label:44} {v * 1000:6.1f} ms {refs} {ratio} <{target * 1000:.0f} ms {ok}"
+              + (f"  (ref: {ref_name})" if ref_name else ""))
+
+
+if __name__ == "__main__":
+    main()
