@@ -63,7 +63,9 @@ class Device:
     def figures_source(self) -> str:
         if self.calibrated_bandwidth_gbs:
             c = self.calibration or {}
-            return f"calibrated {c.get('measured_at', '')} on {c.get('model_name', 'a model')}".strip()
+            return (
+                f"calibrated {c.get('measured_at', '')} on {c.get('model_name', 'a model')}".strip()
+            )
         return "catalog spec x efficiency"
 
 
@@ -86,7 +88,9 @@ def load_catalog(path: Path | None = None) -> dict[str, Device]:
     for key, d in data.items():
         missing = [f for f in (*_FIELDS, "name", "kind") if f not in d]
         if missing:
-            raise InputError(f"device catalog {path}: [{key}] lacks {', '.join(missing)}", "add them")
+            raise InputError(
+                f"device catalog {path}: [{key}] lacks {', '.join(missing)}", "add them"
+            )
         unsourced = [f for f in _FIELDS if f"{f}_source" not in d]
         if unsourced:
             raise InputError(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import signal
@@ -37,10 +38,24 @@ from pathlib import Path
 from typing import Any
 
 RPC_COMMANDS = (
-    "ALLOC_BUFFER", "GET_ALIGNMENT", "GET_MAX_SIZE", "BUFFER_GET_BASE", "FREE_BUFFER",
-    "BUFFER_CLEAR", "SET_TENSOR", "SET_TENSOR_HASH", "GET_TENSOR", "COPY_TENSOR",
-    "GRAPH_COMPUTE", "GET_DEVICE_MEMORY", "INIT_TENSOR", "GET_ALLOC_SIZE", "HELLO",
-    "DEVICE_COUNT", "GRAPH_RECOMPUTE", "MEMSET_TENSOR",
+    "ALLOC_BUFFER",
+    "GET_ALIGNMENT",
+    "GET_MAX_SIZE",
+    "BUFFER_GET_BASE",
+    "FREE_BUFFER",
+    "BUFFER_CLEAR",
+    "SET_TENSOR",
+    "SET_TENSOR_HASH",
+    "GET_TENSOR",
+    "COPY_TENSOR",
+    "GRAPH_COMPUTE",
+    "GET_DEVICE_MEMORY",
+    "INIT_TENSOR",
+    "GET_ALLOC_SIZE",
+    "HELLO",
+    "DEVICE_COUNT",
+    "GRAPH_RECOMPUTE",
+    "MEMSET_TENSOR",
 )
 _CHUNK = 256 * 1024
 
@@ -111,8 +126,14 @@ class Stats:
 class _Pipe:
     """One direction of one connection: reader thread -> FIFO -> delayed writer thread."""
 
-    def __init__(self, proxy: DelayProxy, src: socket.socket, dst: socket.socket, c2s: bool,
-                 conn_state: dict[str, Any]):
+    def __init__(
+        self,
+        proxy: DelayProxy,
+        src: socket.socket,
+        dst: socket.socket,
+        c2s: bool,
+        conn_state: dict[str, Any],
+    ):
         self.proxy, self.src, self.dst, self.c2s = proxy, src, dst, c2s
         self.state = conn_state
         self.q: collections.deque[tuple[float, bytes]] = collections.deque()
@@ -169,10 +190,8 @@ class _Pipe:
                 self.dst.sendall(data)
         except OSError:
             pass
-        try:
+        with contextlib.suppress(OSError):
             self.dst.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
 
 
 class DelayProxy:
@@ -234,25 +253,27 @@ class DelayProxy:
     def stop(self) -> None:
         self._stop.set()
         if self._sock is not None:
-            try:
+            with contextlib.suppress(OSError):
                 self._sock.close()
-            except OSError:
-                pass
 
 
 def main(argv: list[str] | None = None) -> int:
     from linkctl.errors import LinkctlError
 
-    ap = argparse.ArgumentParser(prog="python -m linkctl.delayproxy", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m linkctl.delayproxy",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--listen", required=True, help="ADDR:PORT to listen on")
     ap.add_argument("--target", required=True, help="ADDR:PORT to forward to")
     ap.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay per direction")
     ap.add_argument("--stats-file", help="write the counters here as JSON every 0.2 s")
     a = ap.parse_args(argv)
     try:
-        proxy = DelayProxy(parse_addr(a.listen, "--listen"), parse_addr(a.target, "--target"),
-                           a.delay_ms).start()
+        proxy = DelayProxy(
+            parse_addr(a.listen, "--listen"), parse_addr(a.target, "--target"), a.delay_ms
+        ).start()
     except LinkctlError as e:
         print(f"delayproxy: error: {e.line()}", file=sys.stderr)
         return 2
@@ -262,8 +283,11 @@ def main(argv: list[str] | None = None) -> int:
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
-    print(f"delayproxy: {a.listen} -> {a.target}, {a.delay_ms:g} ms each way", file=sys.stderr,
-          flush=True)
+    print(
+        f"delayproxy: {a.listen} -> {a.target}, {a.delay_ms:g} ms each way",
+        file=sys.stderr,
+        flush=True,
+    )
     path = Path(a.stats_file) if a.stats_file else None
     last = None
     while not done.wait(0.2):

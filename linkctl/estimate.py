@@ -215,7 +215,11 @@ def _kv_alloc(model: ModelInfo, layers: int, ctx: int) -> int:
 
 
 def _device_load(
-    model: ModelInfo, p: Participant, layers: list[int], holds_output: bool, ctx: int,
+    model: ModelInfo,
+    p: Participant,
+    layers: list[int],
+    holds_output: bool,
+    ctx: int,
     input_layer: bool,
 ) -> DeviceLoad:
     lb, la = model.layer_bytes(), model.layer_active_bytes()
@@ -255,8 +259,12 @@ def split_devices(parts: list[Participant]) -> list[Participant]:
 
 
 def _prefill_tok_s(
-    model: ModelInfo, loads: list[DeviceLoad], parts: dict[str, Participant],
-    link: LinkFigures | None, n_prompt: int, ubatch: int = DEFAULT_UBATCH,
+    model: ModelInfo,
+    loads: list[DeviceLoad],
+    parts: dict[str, Participant],
+    link: LinkFigures | None,
+    n_prompt: int,
+    ubatch: int = DEFAULT_UBATCH,
 ) -> float:
     lp = model.layer_params(active=True)
     head_dim = model.key_length or 1
@@ -278,7 +286,9 @@ def _prefill_tok_s(
             t_read = d.weight_bytes / (p.device.effective_bandwidth_gbs * 1e9)
             t += max(t_compute, t_read)
             if p.role == "rpc" and link is not None:
-                out = model.vocab_size * 4 if d.holds_output else model.embedding_length * 4 * tokens
+                out = (
+                    model.vocab_size * 4 if d.holds_output else model.embedding_length * 4 * tokens
+                )
                 cross = model.embedding_length * 4 * tokens + out
                 t += link.rtt_us / 1e6 + cross * 8 / (link.throughput_gbps * 1e9)
                 t += p.rpc_overhead_us / 1e6
@@ -287,8 +297,13 @@ def _prefill_tok_s(
 
 
 def scenario(
-    name: str, model: ModelInfo, parts: list[Participant], slot_dev: list[int | None],
-    ctx: int, link: LinkFigures | None, n_prompt: int = DEFAULT_PROMPT,
+    name: str,
+    model: ModelInfo,
+    parts: list[Participant],
+    slot_dev: list[int | None],
+    ctx: int,
+    link: LinkFigures | None,
+    n_prompt: int = DEFAULT_PROMPT,
 ) -> Scenario:
     """Figures for one placement. ``slot_dev[i]`` indexes split_devices(parts);
     None means the head's CPU."""
@@ -377,7 +392,10 @@ def _compositions(total: int, parts: int):
 
 
 def best_split(
-    model: ModelInfo, parts: list[Participant], ctx: int, link: LinkFigures | None,
+    model: ModelInfo,
+    parts: list[Participant],
+    ctx: int,
+    link: LinkFigures | None,
     n_prompt: int = DEFAULT_PROMPT,
 ) -> Scenario | None:
     """The memory-feasible assignment of slots (blocks + output) to split devices
@@ -389,15 +407,17 @@ def best_split(
         return None
     if k > 3:
         step = max(1, total // 24)
-        cands = (c for c in itertools.product(range(0, total + 1, step), repeat=k - 1)
-                 if sum(c) <= total)
+        cands = (
+            c for c in itertools.product(range(0, total + 1, step), repeat=k - 1) if sum(c) <= total
+        )
         combos = ((*c, total - sum(c)) for c in cands)
     else:
         combos = _compositions(total, k)
     best: Scenario | None = None
     for counts in combos:
-        sc = scenario("recommended", model, parts, slots_from_counts(list(counts)), ctx, link,
-                      n_prompt)
+        sc = scenario(
+            "recommended", model, parts, slots_from_counts(list(counts)), ctx, link, n_prompt
+        )
         if sc.fits and (best is None or sc.decode_us < best.decode_us):
             best = sc
     return best
@@ -443,8 +463,9 @@ def estimate(
             weights = tensor_split
         else:
             weights = [p.free_bytes for p in devs]
-        split = scenario("split", model, parts, llama_slot_devices(n_layer, weights, ngl), ctx,
-                         link, n_prompt)
+        split = scenario(
+            "split", model, parts, llama_slot_devices(n_layer, weights, ngl), ctx, link, n_prompt
+        )
         recommended = best_split(model, parts, ctx, link, n_prompt)
 
     total_need = local.devices[0].need_bytes
@@ -461,26 +482,40 @@ def estimate(
         rec, why = "run locally", "no RPC host in the profile"
     elif not local.fits:
         rec = "split needed"
-        why = (f"the model needs {total_need / GIB:.1f} GiB and the head holds "
-               f"{head.free_bytes / GIB:.1f} GiB")
+        why = (
+            f"the model needs {total_need / GIB:.1f} GiB and the head holds "
+            f"{head.free_bytes / GIB:.1f} GiB"
+        )
     elif recommended.decode_us < local.decode_us * 0.95:
         rec = "split faster"
-        why = (f"split decode {recommended.decode_tok_s:.1f} tok/s vs local "
-               f"{local.decode_tok_s:.1f} tok/s")
+        why = (
+            f"split decode {recommended.decode_tok_s:.1f} tok/s vs local "
+            f"{local.decode_tok_s:.1f} tok/s"
+        )
     else:
         rec = "run locally"
-        why = (f"local decode {local.decode_tok_s:.1f} tok/s vs best split "
-               f"{recommended.decode_tok_s:.1f} tok/s: the link and the slower device cost more "
-               "than they save")
+        why = (
+            f"local decode {local.decode_tok_s:.1f} tok/s vs best split "
+            f"{recommended.decode_tok_s:.1f} tok/s: the link and the slower device cost more "
+            "than they save"
+        )
 
     ref = split or local
     per_layer = ref.network_us / n_layer if ref.network_us else 0.0
     busiest = max(ref.devices, key=lambda d: len(d.layers))
     layer_us = (
-        (busiest.compute_us + busiest.kv_read_us
-         - (model.output_bytes / (busiest.bandwidth_gbs * 1e9) * 1e6 if busiest.holds_output
-            else 0))
-        / len(busiest.layers) if busiest.layers else 0.0
+        (
+            busiest.compute_us
+            + busiest.kv_read_us
+            - (
+                model.output_bytes / (busiest.bandwidth_gbs * 1e9) * 1e6
+                if busiest.holds_output
+                else 0
+            )
+        )
+        / len(busiest.layers)
+        if busiest.layers
+        else 0.0
     )
     equiv = ref.network_us / layer_us if layer_us else 0.0
     derivation = (

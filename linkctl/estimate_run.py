@@ -22,8 +22,11 @@ def _smallest_latency(report: dict[str, Any]) -> tuple[float, str] | None:
     lat = report.get("latency") or {}
     for kind in ("tcp", "udp"):
         by_size = lat.get(kind) or {}
-        sizes = sorted((int(k), v) for k, v in by_size.items() if str(k).isdigit()
-                       and isinstance(v, dict) and v.get("p50_us"))
+        sizes = sorted(
+            (int(k), v)
+            for k, v in by_size.items()
+            if str(k).isdigit() and isinstance(v, dict) and v.get("p50_us")
+        )
         if sizes:
             size, v = sizes[0]
             return float(v["p50_us"]), f"{kind} {size}-byte p50"
@@ -39,8 +42,9 @@ def _throughput(report: dict[str, Any]) -> tuple[float, str] | None:
     return None
 
 
-def link_figures(probe: Path | None, rtt_us: float | None,
-                 throughput_gbps: float | None) -> LinkFigures:
+def link_figures(
+    probe: Path | None, rtt_us: float | None, throughput_gbps: float | None
+) -> LinkFigures:
     """Flags win; else the probe report. No report and no flags: exit 2."""
     for name, v in (("--rtt-us", rtt_us), ("--throughput-gbps", throughput_gbps)):
         if v is not None and v <= 0:
@@ -63,8 +67,10 @@ def link_figures(probe: Path | None, rtt_us: float | None,
     if rtt_us is None:
         got = _smallest_latency(report or {})
         if got is None:
-            raise InputError(f"probe report {path} has no latency figures",
-                             "re-run `linkctl probe` or pass --rtt-us")
+            raise InputError(
+                f"probe report {path} has no latency figures",
+                "re-run `linkctl probe` or pass --rtt-us",
+            )
         rtt_us = got[0]
         src.append(f"RTT from {path} ({got[1]})")
     else:
@@ -72,8 +78,10 @@ def link_figures(probe: Path | None, rtt_us: float | None,
     if throughput_gbps is None:
         got2 = _throughput(report or {})
         if got2 is None:
-            raise InputError(f"probe report {path} has no throughput figures",
-                             "re-run `linkctl probe` or pass --throughput-gbps")
+            raise InputError(
+                f"probe report {path} has no throughput figures",
+                "re-run `linkctl probe` or pass --throughput-gbps",
+            )
         throughput_gbps = got2[0]
         src.append(f"throughput from {path} ({got2[1]})")
     else:
@@ -81,8 +89,9 @@ def link_figures(probe: Path | None, rtt_us: float | None,
     return LinkFigures(rtt_us=rtt_us, throughput_gbps=throughput_gbps, source="; ".join(src))
 
 
-def participants(prof: Profile, query_rpc: bool = False,
-                 calibration: list[Path] | None = None) -> tuple[list[Participant], list[str]]:
+def participants(
+    prof: Profile, query_rpc: bool = False, calibration: list[Path] | None = None
+) -> tuple[list[Participant], list[str]]:
     catalog = load_catalog()
     cals = load_calibrations(calibration)
     notes: list[str] = []
@@ -91,8 +100,10 @@ def participants(prof: Profile, query_rpc: bool = False,
         dev = apply_calibration(get_device(catalog, h.device, f"hosts[{i}]"), cals.get(h.name))
         mem_gb = h.memory_gb or dev.memory_gb
         free = mem_gb * GIB * dev.usable_fraction
-        free_src = (f"{'profile' if h.memory_gb else 'catalog'} memory_gb {mem_gb:g} x "
-                    f"usable {dev.usable_fraction:g}")
+        free_src = (
+            f"{'profile' if h.memory_gb else 'catalog'} memory_gb {mem_gb:g} x "
+            f"usable {dev.usable_fraction:g}"
+        )
         if query_rpc and h.role == "rpc":
             from linkctl.rpc import query
 
@@ -102,11 +113,12 @@ def participants(prof: Profile, query_rpc: bool = False,
                 free_src = f"rpc-server {h.rpc_endpoint} GET_DEVICE_MEMORY free"
         overhead = float((cals.get(h.name) or {}).get("rpc_overhead_us") or 0.0)
         if h.role == "rpc" and not overhead:
-            notes.append(f"{h.name}: no measured RPC per-token overhead (run `linkctl calibrate "
-                         "--rpc` there); counted as 0")
+            notes.append(
+                f"{h.name}: no measured RPC per-token overhead (run `linkctl calibrate "
+                "--rpc` there); counted as 0"
+            )
         if not dev.calibrated_bandwidth_gbs:
-            notes.append(f"{h.name}: catalog figures for {dev.key} (not calibrated on this "
-                         "host)")
+            notes.append(f"{h.name}: catalog figures for {dev.key} (not calibrated on this host)")
         out.append(Participant(h.name, h.role, dev, free, free_src, overhead))
     return out, notes
 
@@ -123,10 +135,19 @@ def parse_split(text: str | None) -> list[float] | None:
     return vals
 
 
-def run_estimate(prof: Profile, model_path: Path, *, probe: Path | None = None,
-                 tensor_split: str | None = None, ctx: int | None = None, prompt: int = 512,
-                 rtt_us: float | None = None, throughput_gbps: float | None = None,
-                 query_rpc: bool = False, calibration: list[Path] | None = None) -> Estimate:
+def run_estimate(
+    prof: Profile,
+    model_path: Path,
+    *,
+    probe: Path | None = None,
+    tensor_split: str | None = None,
+    ctx: int | None = None,
+    prompt: int = 512,
+    rtt_us: float | None = None,
+    throughput_gbps: float | None = None,
+    query_rpc: bool = False,
+    calibration: list[Path] | None = None,
+) -> Estimate:
     from linkctl.gguf_info import read_model
 
     model = read_model(model_path)
@@ -134,8 +155,15 @@ def run_estimate(prof: Profile, model_path: Path, *, probe: Path | None = None,
         raise InputError(f"--prompt {prompt}: must be at least 1", "e.g. --prompt 512")
     parts, notes = participants(prof, query_rpc, calibration)
     link = link_figures(probe, rtt_us, throughput_gbps) if prof.rpc_hosts else None
-    est = estimate(model, parts, link, ctx or prof.serve.ctx, parse_split(tensor_split),
-                   ngl=prof.serve.ngl, n_prompt=prompt)
+    est = estimate(
+        model,
+        parts,
+        link,
+        ctx or prof.serve.ctx,
+        parse_split(tensor_split),
+        ngl=prof.serve.ngl,
+        n_prompt=prompt,
+    )
     est.warnings += notes
     est.model["split_order"] = [p.host for p in split_devices(parts)]
     return est
@@ -149,19 +177,28 @@ def render(est: Estimate) -> None:
     from linkctl.output import console
 
     m = est.model
-    moe = (f", MoE {m['expert_used_count']}/{m['expert_count']} experts per token"
-           if m["expert_count"] else "")
-    console.print(f"[bold]{m['name'] or Path(m['path']).name}[/] ({m['architecture']}, "
-                  f"{m['block_count']} layers, {_gib(m['total_bytes'])} weights{moe})")
+    moe = (
+        f", MoE {m['expert_used_count']}/{m['expert_count']} experts per token"
+        if m["expert_count"]
+        else ""
+    )
+    console.print(
+        f"[bold]{m['name'] or Path(m['path']).name}[/] ({m['architecture']}, "
+        f"{m['block_count']} layers, {_gib(m['total_bytes'])} weights{moe})"
+    )
     if est.link:
-        console.print(f"link: RTT {est.link.rtt_us:.0f} µs, {est.link.throughput_gbps:.2f} Gbit/s "
-                      f"[dim]({est.link.source})[/]")
+        console.print(
+            f"link: RTT {est.link.rtt_us:.0f} µs, {est.link.throughput_gbps:.2f} Gbit/s "
+            f"[dim]({est.link.source})[/]"
+        )
     fits = "[green]yes[/]" if est.fits_head_alone else "[red]no[/]"
     local = est.local
     assert local is not None
-    console.print(f"fits on the head alone at ctx {est.ctx}: {fits} "
-                  f"(needs {_gib(local.devices[0].need_bytes)}, has "
-                  f"{_gib(local.devices[0].free_bytes)})")
+    console.print(
+        f"fits on the head alone at ctx {est.ctx}: {fits} "
+        f"(needs {_gib(local.devices[0].need_bytes)}, has "
+        f"{_gib(local.devices[0].free_bytes)})"
+    )
     console.print()
     console.print(f"{'':22}{'decode tok/s':>14}{'prefill tok/s':>15}  split (layers+output)")
     rows = [("local only", local)]
@@ -172,8 +209,7 @@ def render(est: Estimate) -> None:
     for label, sc in rows:
         note = "" if sc.fits else "  [red]does not fit[/]"
         split = ",".join(map(str, sc.tensor_split)) if sc.name != "local" else "-"
-        console.print(f"{label:22}{sc.decode_tok_s:>14.1f}{sc.prefill_tok_s:>15.0f}  "
-                      f"{split}{note}")
+        console.print(f"{label:22}{sc.decode_tok_s:>14.1f}{sc.prefill_tok_s:>15.0f}  {split}{note}")
     if est.split:
         s = est.split
         console.print()
@@ -189,12 +225,16 @@ def render(est: Estimate) -> None:
             "layers per token"
         )
         console.print(f"[dim]{est.per_layer_derivation}[/]")
-        console.print(f"dominant term (split): {s.dominant} "
-                      f"({s.terms_us[s.dominant]:.0f} µs of {s.decode_us:.0f} µs per token)")
+        console.print(
+            f"dominant term (split): {s.dominant} "
+            f"({s.terms_us[s.dominant]:.0f} µs of {s.decode_us:.0f} µs per token)"
+        )
     if est.recommended:
         order = est.model.get("split_order", [])
-        console.print(f"recommended --tensor-split {','.join(map(str, est.recommended.tensor_split))}"
-                      f" [dim](order: {', '.join(order)})[/]")
+        console.print(
+            f"recommended --tensor-split {','.join(map(str, est.recommended.tensor_split))}"
+            f" [dim](order: {', '.join(order)})[/]"
+        )
     console.print()
     console.print(f"[bold]recommendation: {est.recommendation}[/] — {est.reason}")
     for w in est.warnings:

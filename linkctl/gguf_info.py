@@ -34,8 +34,17 @@ _KEEP_ARRAY_MAX = 4096
 # GGUFValueType: 0 u8, 1 i8, 2 u16, 3 i16, 4 u32, 5 i32, 6 f32, 7 bool, 8 string,
 # 9 array, 10 u64, 11 i64, 12 f64
 _SCALAR = {
-    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-    10: "<Q", 11: "<q", 12: "<d",
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
 }
 _STRING, _ARRAY = 8, 9
 
@@ -208,9 +217,7 @@ class ModelInfo:
     @property
     def output_bytes(self) -> int:
         """The output head (output.weight, output_norm); a tied model reuses the embedding."""
-        own = sum(
-            t.nbytes for t in self.tensors if t.layer is None and t.name.startswith("output")
-        )
+        own = sum(t.nbytes for t in self.tensors if t.layer is None and t.name.startswith("output"))
         if not any(t.name == "output.weight" for t in self.tensors):
             own += self.embedding_bytes
         return own
@@ -251,9 +258,7 @@ class ModelInfo:
             "tensor_count": len(self.tensors),
             "total_bytes": self.total_bytes,
             "layer_bytes_mean": sum(lb) / len(lb) if lb else 0,
-            "layer_active_bytes_mean": (
-                sum(self.layer_active_bytes()) / len(lb) if lb else 0
-            ),
+            "layer_active_bytes_mean": (sum(self.layer_active_bytes()) / len(lb) if lb else 0),
             "embedding_bytes": self.embedding_bytes,
             "output_bytes": self.output_bytes,
             "kv_bytes_per_token_per_layer": self.kv_bytes_per_token_per_layer,
@@ -378,7 +383,9 @@ def read_header(path: str | os.PathLike) -> tuple[int, dict[str, Any], list[Tens
     except FileNotFoundError:
         raise InputError(f"--model {path}: no such file", "give the path to a .gguf file") from None
     except IsADirectoryError:
-        raise InputError(f"--model {path}: is a directory", "give the path to a .gguf file") from None
+        raise InputError(
+            f"--model {path}: is a directory", "give the path to a .gguf file"
+        ) from None
     except OSError as e:
         raise InputError(f"--model {path}: cannot read: {e.strerror}") from None
     with f:
@@ -419,7 +426,9 @@ def read_header(path: str | os.PathLike) -> tuple[int, dict[str, Any], list[Tens
             shape = tuple(cur.unpack("<Q", f"shape of {name}") for _ in range(n_dims))
             ttype = cur.unpack("<I", f"type of {name}")
             offset = cur.unpack("<Q", f"offset of {name}")
-            tensors.append(TensorInfo(name, shape, ttype, offset, tensor_nbytes(shape, ttype, name)))
+            tensors.append(
+                TensorInfo(name, shape, ttype, offset, tensor_nbytes(shape, ttype, name))
+            )
         end = cur.tell()
     align = meta.get("general.alignment", DEFAULT_ALIGNMENT)
     if not isinstance(align, int) or align <= 0:
@@ -458,7 +467,9 @@ def read_model(path: str | os.PathLike) -> ModelInfo:
             f"unknown architecture {arch!r}: figures are estimated from the tensors alone"
         )
     if not tensors:
-        raise InputError(f"{path}: GGUF header lists no tensors", "give a model file, not a vocab-only file")
+        raise InputError(
+            f"{path}: GGUF header lists no tensors", "give a model file, not a vocab-only file"
+        )
 
     def num(key: str) -> int | None:
         return _scalar(_get(meta, arch, key))

@@ -92,13 +92,24 @@ class Shape:
 LLAMA_7B = Shape("llama", 4096, 32, 32, 32, 11008, 32000, 4096)
 LLAMA_70B = Shape("llama", 8192, 80, 64, 8, 28672, 128256, 8192)
 QWEN3_235B_A22B = Shape(
-    "qwen3moe", 4096, 94, 64, 4, 12288, 151936, 40960, head_dim=128,
-    n_expert=128, n_expert_used=8, n_ff_exp=1536,
+    "qwen3moe",
+    4096,
+    94,
+    64,
+    4,
+    12288,
+    151936,
+    40960,
+    head_dim=128,
+    n_expert=128,
+    n_expert_used=8,
+    n_ff_exp=1536,
 )
 
 
-def write_header_only(path: Path, shape: Shape, *, arch: str | None = None,
-                      drop_keys: tuple[str, ...] = ()) -> Path:
+def write_header_only(
+    path: Path, shape: Shape, *, arch: str | None = None, drop_keys: tuple[str, ...] = ()
+) -> Path:
     """A GGUF with the full header of ``shape`` and no tensor data."""
     import numpy as np
     from gguf import GGUFWriter
@@ -130,8 +141,13 @@ def write_header_only(path: Path, shape: Shape, *, arch: str | None = None,
     w.add_token_list([f"tok{i}" for i in range(shape.vocab)])
     for name, ggml_shape, t in shape.tensors():
         np_shape = tuple(reversed(ggml_shape))
-        w.add_tensor_info(name, np_shape, np.dtype(np.float32), nbytes(ggml_shape, t),
-                          raw_dtype=GGMLQuantizationType(t))
+        w.add_tensor_info(
+            name,
+            np_shape,
+            np.dtype(np.float32),
+            nbytes(ggml_shape, t),
+            raw_dtype=GGMLQuantizationType(t),
+        )
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()

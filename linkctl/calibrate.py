@@ -1,0 +1,353 @@
+"""`linkctl calibrate`: measure this host's real llama.cpp figures and store them.
+
+1. llama-server runs the given model alone on this host (127.0.0.1 only). One
+   warm-up request, then ``runs`` timed /completion requests of ``tokens``
+   decode tokens each (ignore_eos, prompt cache off); llama-server's own
+   ``timings`` give decode tok/s (predicted_per_second) and prefill tok/s
+   (prompt_per_second); the median run is kept.
+2. effective decode bandwidth = bytes read per token x decode tok/s, with bytes
+   per token from the GGUF header exactly as the estimate counts them (active
+   weights + output head + KV cache at the mean context of the run). Per-token
+   fixed costs (sampling, graph launch) are folded into this figure, as they are
+   in any real decode on this host.
+3. effective prefill compute = FLOPs per prompt token x prefill tok/s.
+4. ``--rpc``: the same model through a ggml-rpc-server on 127.0.0.1 (all layers
+   on the RPC device). The per-token difference, minus the loopback round trip
+   (timed with GET_DEVICE_MEMORY before llama-server connects) and the transfer
+   of the activations/logits, is the fixed per-token cost of one RPC boundary
+   (serialisation, dispatch, the rpc-server's graph handling).
+
+The record goes to state_dir()/calibration.json under this host's profile name.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import struct
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from linkctl.errors import CheckFailed, InputError
+from linkctl.profile import Profile
+from linkctl.runner import Runner, default_runner
+
+PROMPT_WORDS = (
+    "the link between two machines carries activations for every token and every layer "
+    "boundary so its latency adds to each step of decoding while its bandwidth matters "
+    "mostly for the prompt "
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def wait_health(port: int, proc: subprocess.Popen, timeout: float, log: Path | None) -> None:
+    deadline = time.monotonic() + timeout
+    url = f"http://127.0.0.1:{port}/health"
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log.read_text().strip().splitlines()[-3:] if log and log.exists() else []
+            raise CheckFailed(
+                f"llama-server exited {proc.returncode} while loading: " + " | ".join(tail)
+            )
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            pass
+        time.sleep(0.2)
+    raise CheckFailed(f"llama-server on 127.0.0.1:{port} not healthy within {timeout:g} s")
+
+
+def timed_completions(
+    port: int, tokens: int, runs: int, prompt: str, timeout: float = 600
+) -> list[dict[str, float]]:
+    """Warm-up, then ``runs`` requests; each run's llama-server timings."""
+    url = f"http://127.0.0.1:{port}/completion"
+    body = {
+        "prompt": prompt,
+        "n_predict": tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "cache_prompt": False,
+        "seed": 0,
+    }
+    _post(url, {**body, "n_predict": 4}, timeout)
+    out = []
+    for _ in range(runs):
+        r = _post(url, body, timeout)
+        t = r.get("timings") or {}
+        if not t.get("predicted_per_second"):
+            raise CheckFailed(f"llama-server answered without decode timings: {sorted(r)}")
+        out.append(
+            {
+                k: float(t.get(k) or 0)
+                for k in (
+                    "predicted_per_second",
+                    "predicted_n",
+                    "prompt_per_second",
+                    "prompt_n",
+                    "predicted_ms",
+                    "prompt_ms",
+                )
+            }
+        )
+    return out
+
+
+def median_run(runs: list[dict[str, float]]) -> dict[str, float]:
+    srt = sorted(runs, key=lambda r: r["predicted_per_second"])
+    return srt[len(srt) // 2]
+
+
+def rpc_rtt_us(port: int, n: int = 200) -> float:
+    """p50 of GET_DEVICE_MEMORY request/response on one connection to an rpc-server."""
+    from linkctl.rpc import CMD_GET_DEVICE_MEMORY, _open_hello
+
+    conn, _v, _f = _open_hello("127.0.0.1", port, 5.0)
+    try:
+        conn.deadline = time.monotonic() + 60
+        ts = []
+        for _ in range(n):
+            t = time.perf_counter()
+            conn.call(CMD_GET_DEVICE_MEMORY, struct.pack("<I", 0))
+            ts.append((time.perf_counter() - t) * 1e6)
+    finally:
+        conn.close()
+    return statistics.median(ts)
+
+
+def decode_bytes_per_token(model, ctx_mean: float) -> int:
+    """What the estimate counts for one token with every layer on one device."""
+    return (
+        sum(model.layer_active_bytes())
+        + model.output_bytes
+        + int(model.kv_bytes_per_token_per_layer * ctx_mean * model.block_count)
+    )
+
+
+def prefill_flops_per_token(model, ctx_mean: float) -> float:
+    params = sum(model.layer_params(active=True)) + model.output_params
+    attn = 4 * model.head_count * (model.key_length or 1) * ctx_mean * model.block_count
+    return 2 * params + attn
+
+
+class _Servers:
+    """Children started here; all stopped (by their own pid) on exit."""
+
+    def __init__(self, runner: Runner):
+        self.runner, self.procs = runner, []
+
+    def spawn(self, argv: list[str], log: Path) -> subprocess.Popen:
+        fh = log.open("w")
+        p = self.runner.spawn(argv, stdout=fh, stderr=subprocess.STDOUT)
+        self.procs.append(p)
+        return p
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(5)
+
+
+def calibrate(
+    prof: Profile,
+    model_path: Path,
+    *,
+    host: str | None,
+    tokens: int = 64,
+    runs: int = 3,
+    threads: int | None = None,
+    rpc: bool = False,
+    bin_dir: str | None = None,
+    dry_run: bool = False,
+    runner: Runner | None = None,
+) -> dict[str, Any]:
+    from linkctl.catalog import get_device, load_catalog, save_calibration
+    from linkctl.gguf_info import read_model
+    from linkctl.llama import find_bins
+    from linkctl.paths import state_dir
+
+    if tokens < 8 or runs < 1:
+        raise InputError(
+            f"--tokens {tokens} --runs {runs}: need tokens >= 8 and runs >= 1",
+            "e.g. --tokens 64 --runs 3",
+        )
+    if host is None:
+        from linkctl.backend import get_backend
+        from linkctl.link import identify_host
+
+        host = identify_host(prof, get_backend(), None).name
+    h = prof.host(host)
+    dev = get_device(load_catalog(), h.device, f"host {h.name}")
+    model = read_model(model_path)
+    if not model.data_present:
+        raise InputError(
+            f"{model_path}: header only, tensor data absent", "calibrate needs a real model file"
+        )
+    runner = runner or default_runner()
+    bins = find_bins(bin_dir or h.llama_bin_dir, runner, versions=False)
+    if bins.llama_server is None or (rpc and bins.rpc_server is None):
+        raise InputError(
+            f"llama.cpp binaries not found (tried {', '.join(bins.tried)})",
+            "run scripts/build-llama.sh or pass --bin-dir",
+        )
+    prompt = (PROMPT_WORDS * 3)[:600]
+    ctx = 2048
+    common = [
+        "-m",
+        str(model_path),
+        "-c",
+        str(ctx),
+        "-np",
+        "1",
+        "-ngl",
+        "99",
+        "--host",
+        "127.0.0.1",
+    ]
+    if threads:
+        common += ["-t", str(threads)]
+    port = _free_port()
+    local_argv = [bins.llama_server.path, *common, "--port", str(port)]
+    rpc_port = _free_port()
+    rpc_argv = [
+        bins.rpc_server.path if bins.rpc_server else "ggml-rpc-server",
+        "-H",
+        "127.0.0.1",
+        "-p",
+        str(rpc_port),
+        *(["-t", str(threads)] if threads else []),
+    ]
+    port2 = _free_port()
+    head_argv = [
+        bins.llama_server.path,
+        *common,
+        "--port",
+        str(port2),
+        "--rpc",
+        f"127.0.0.1:{rpc_port}",
+    ]
+    if dev.kind == "gpu":
+        head_argv += ["--device", f"RPC0[127.0.0.1:{rpc_port}]"]
+    if dry_run:
+        return {
+            "host": h.name,
+            "dry_run": True,
+            "commands": [local_argv] + ([rpc_argv, head_argv] if rpc else []),
+        }
+
+    logs = state_dir() / "calibrate"
+    logs.mkdir(parents=True, exist_ok=True)
+    with _Servers(runner) as srv:
+        p = srv.spawn(local_argv, logs / "llama-server.log")
+        wait_health(port, p, 300, logs / "llama-server.log")
+        local_runs = timed_completions(port, tokens, runs, prompt)
+        p.terminate()
+        p.wait(10)
+    best = median_run(local_runs)
+    ctx_mean = best["prompt_n"] + best["predicted_n"] / 2
+    bpt = decode_bytes_per_token(model, ctx_mean)
+    bw = bpt * best["predicted_per_second"] / 1e9
+    tflops = (
+        (prefill_flops_per_token(model, best["prompt_n"] / 2) * best["prompt_per_second"] / 1e12)
+        if best["prompt_per_second"]
+        else None
+    )
+    rec: dict[str, Any] = {
+        "host": h.name,
+        "device": dev.key,
+        "model": str(model_path),
+        "model_name": model.name or Path(model_path).name,
+        "measured_at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "threads": threads,
+        "tokens": tokens,
+        "runs": local_runs,
+        "decode_tok_s": best["predicted_per_second"],
+        "prefill_tok_s": best["prompt_per_second"],
+        "bytes_per_token": bpt,
+        "effective_bandwidth_gbs": bw,
+        "effective_tflops": tflops,
+        "catalog_effective_bandwidth_gbs": dev.mem_bandwidth_gbs * dev.efficiency,
+        "llama_server": bins.llama_server.path,
+    }
+    if rpc:
+        with _Servers(runner) as srv:
+            srv.spawn(rpc_argv, logs / "rpc-server.log")
+            from linkctl.rpc import wait_ready
+
+            wait_ready("127.0.0.1", rpc_port, 30)
+            loop_rtt = rpc_rtt_us(rpc_port)
+            hp = srv.spawn(head_argv, logs / "llama-server-rpc.log")
+            wait_health(port2, hp, 300, logs / "llama-server-rpc.log")
+            rpc_runs = timed_completions(port2, tokens, runs, prompt)
+        rb = median_run(rpc_runs)
+        per_tok_local = 1e6 / best["predicted_per_second"]
+        per_tok_rpc = 1e6 / rb["predicted_per_second"]
+        overhead = max(0.0, per_tok_rpc - per_tok_local - loop_rtt)
+        rec["rpc"] = {
+            "runs": rpc_runs,
+            "decode_tok_s": rb["predicted_per_second"],
+            "loopback_rtt_us": loop_rtt,
+            "per_token_us": per_tok_rpc,
+            "local_per_token_us": per_tok_local,
+        }
+        rec["rpc_overhead_us"] = overhead
+    rec["saved_to"] = str(save_calibration(h.name, rec))
+    return rec
+
+
+def render_calibration(rec: dict[str, Any]) -> None:
+    from linkctl.output import console
+
+    if rec.get("dry_run"):
+        for argv in rec["commands"]:
+            console.print(" ".join(argv))
+        return
+    console.print(f"[bold]{rec['host']}[/] ({rec['device']}) on {rec['model_name']}:")
+    console.print(
+        f"  decode  {rec['decode_tok_s']:.1f} tok/s x {rec['bytes_per_token'] / 1e6:.1f} "
+        f"MB/token = {rec['effective_bandwidth_gbs']:.1f} GB/s effective "
+        f"(catalog: {rec['catalog_effective_bandwidth_gbs']:.1f} GB/s)"
+    )
+    if rec.get("effective_tflops"):
+        console.print(
+            f"  prefill {rec['prefill_tok_s']:.0f} tok/s = "
+            f"{rec['effective_tflops']:.2f} TFLOPS effective"
+        )
+    if "rpc" in rec:
+        r = rec["rpc"]
+        console.print(
+            f"  via loopback RPC {r['decode_tok_s']:.1f} tok/s: "
+            f"{r['per_token_us']:.0f} µs/token vs {r['local_per_token_us']:.0f} local, "
+            f"loopback RTT {r['loopback_rtt_us']:.0f} µs -> RPC overhead "
+            f"{rec['rpc_overhead_us']:.0f} µs per token per boundary"
+        )
+    console.print(f"  saved to {rec['saved_to']}")

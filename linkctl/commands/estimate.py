@@ -1,0 +1,183 @@
+"""`linkctl estimate` and `linkctl calibrate`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from linkctl.commands.common import JsonOpt, ProfileOpt, load
+
+ModelOpt = Annotated[
+    Path,
+    typer.Option(
+        "--model", "-m", help="Path to a .gguf model (only its header is read).", show_default=False
+    ),
+]
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("estimate")
+    def estimate_cmd(
+        model: ModelOpt,
+        profile: ProfileOpt = None,
+        probe: Annotated[
+            Path | None,
+            typer.Option(
+                "--probe",
+                help="Probe report JSON (default: the saved `linkctl probe` report).",
+                show_default=False,
+            ),
+        ] = None,
+        tensor_split: Annotated[
+            str | None,
+            typer.Option(
+                "--tensor-split",
+                help="Weights per split device, llama.cpp order (RPC hosts, then "
+                "the head's GPU), e.g. 3,1.",
+                show_default=False,
+            ),
+        ] = None,
+        ctx: Annotated[
+            int | None,
+            typer.Option(
+                "--ctx",
+                help="Context length to plan for: KV cache size and reads "
+                "(default: the profile's serve.ctx).",
+                show_default=False,
+            ),
+        ] = None,
+        prompt: Annotated[
+            int, typer.Option("--prompt", help="Prompt tokens for the prefill estimate.")
+        ] = 512,
+        rtt_us: Annotated[
+            float | None,
+            typer.Option(
+                "--rtt-us",
+                help="What-if: link round trip in µs (overrides the probe report).",
+                show_default=False,
+            ),
+        ] = None,
+        throughput_gbps: Annotated[
+            float | None,
+            typer.Option(
+                "--throughput-gbps",
+                help="What-if: link throughput in Gbit/s (overrides the probe report).",
+                show_default=False,
+            ),
+        ] = None,
+        query_rpc: Annotated[
+            bool,
+            typer.Option(
+                "--query-rpc",
+                help="Ask each rpc-server for its free memory (GET_DEVICE_MEMORY) "
+                "instead of using the profile's memory_gb.",
+            ),
+        ] = False,
+        calibration: Annotated[
+            list[Path] | None,
+            typer.Option(
+                "--calibration",
+                help="Extra calibration.json (e.g. copied from the rpc host); repeatable.",
+                show_default=False,
+            ),
+        ] = None,
+        json_out: JsonOpt = False,
+    ) -> None:
+        """Predict decode and prefill tokens/s locally and split over the link.
+
+        Example: linkctl estimate --model /models/qwen3-235b-q4.gguf --ctx 8192
+        """
+        from linkctl.estimate_run import render, run_estimate
+
+        prof, _ = load(profile)
+        est = run_estimate(
+            prof,
+            model,
+            probe=probe,
+            tensor_split=tensor_split,
+            ctx=ctx,
+            prompt=prompt,
+            rtt_us=rtt_us,
+            throughput_gbps=throughput_gbps,
+            query_rpc=query_rpc,
+            calibration=calibration or [],
+        )
+        if json_out:
+            from linkctl.output import print_json
+
+            print_json(est.as_dict())
+        else:
+            render(est)
+
+    @app.command("calibrate")
+    def calibrate_cmd(
+        model: ModelOpt,
+        profile: ProfileOpt = None,
+        host: Annotated[
+            str | None,
+            typer.Option(
+                "--host",
+                help="Which profile host this is (default: $LINKCTL_HOST, else the "
+                "profile host whose device matches, else the head).",
+                show_default=False,
+            ),
+        ] = None,
+        tokens: Annotated[int, typer.Option("--tokens", help="Decode tokens to time.")] = 64,
+        runs: Annotated[int, typer.Option("--runs", help="Timed requests (median taken).")] = 3,
+        threads: Annotated[
+            int | None,
+            typer.Option(
+                "--threads",
+                "-t",
+                help="llama.cpp threads (default: llama.cpp's).",
+                show_default=False,
+            ),
+        ] = None,
+        rpc: Annotated[
+            bool,
+            typer.Option(
+                "--rpc",
+                help="Also measure the fixed per-token cost of one RPC boundary: the same "
+                "model through a ggml-rpc-server on 127.0.0.1.",
+            ),
+        ] = False,
+        bin_dir: Annotated[
+            str | None,
+            typer.Option(
+                "--bin-dir", help="Directory with llama-server/ggml-rpc-server.", show_default=False
+            ),
+        ] = None,
+        dry_run: Annotated[
+            bool, typer.Option("--dry-run", help="Print the commands; run and store nothing.")
+        ] = False,
+        json_out: JsonOpt = False,
+    ) -> None:
+        """Measure this host's real decode bandwidth (and prefill compute) with llama-server
+        on a model, and store it so `linkctl estimate` uses it instead of the catalog.
+
+        Example: linkctl calibrate --model /models/llama-8b-q4_k_m.gguf --rpc
+        """
+        from linkctl.calibrate import calibrate, render_calibration
+
+        prof, _ = load(profile)
+        host = host or os.environ.get("LINKCTL_HOST")
+        rec = calibrate(
+            prof,
+            model,
+            host=host,
+            tokens=tokens,
+            runs=runs,
+            threads=threads,
+            rpc=rpc,
+            bin_dir=bin_dir,
+            dry_run=dry_run,
+        )
+        if json_out:
+            from linkctl.output import print_json
+
+            print_json(rec)
+        else:
+            render_calibration(rec)
