@@ -39,6 +39,12 @@ class Backend(Protocol):
     def plan_teardown(self, profile: str, host: HostSpec, facts: LinkFacts) -> Plan:
         """Changes that remove the profile's address when no setup record exists."""
 
+    def plan_follow_up(self, host: HostSpec, link: LinkSpec, peers: list[HostSpec]) -> Plan:
+        """Read-only, after setup's changes are in place (or when none were needed):
+        wait for the OS to take them, then plan what it left undone for traffic to
+        ``peers`` to leave through the link (macOS: a missing subnet route), each change
+        with its undo; warnings go in notes. CheckFailed when the link cannot be right."""
+
     def execute(self, change: Change) -> None:
         """Carry out one change; raise InputError/ApplyError on failure."""
 

@@ -17,10 +17,10 @@ from typing import Any
 
 from linkctl import arp
 from linkctl.backend import Backend
-from linkctl.errors import CheckFailed, InputError
+from linkctl.errors import ApplyError, CheckFailed, InputError
 from linkctl.netstate import Drift, LinkFacts, LinkStatus, Route
 from linkctl.paths import state_dir
-from linkctl.plan import Change, Plan, apply
+from linkctl.plan import Change, Plan, apply, rollback
 from linkctl.profile import HostSpec, Profile
 
 
@@ -202,6 +202,18 @@ def _route_text(r: Route | None) -> str:
     return f"{r.dst} via {r.gateway} dev {r.ifname}" if r else "none"
 
 
+def _check_followed_up(
+    backend: Backend, host: HostSpec, profile: Profile, peers: list[HostSpec]
+) -> None:
+    """After follow-up changes: the backend must find nothing more to do."""
+    again = backend.plan_follow_up(host, profile.link, peers)
+    if again.changes:
+        raise CheckFailed(
+            "still needed after the follow-up: " + "; ".join(c.summary for c in again.changes),
+            "report this as a bug with `linkctl status --json`",
+        )
+
+
 # ---- setup record ----------------------------------------------------------------
 
 
@@ -247,10 +259,29 @@ def setup(
     t0 = time.perf_counter()
     facts, default = preflight(profile, host, backend)
     plan = backend.plan_setup(profile.name, host, profile.link, facts)
+    peers = profile.peers_of(host.name)
     result = LinkResult(
         "setup", profile.name, host.name, host.interface, plan, dry_run, default_route=default
     )
-    if dry_run or plan.empty:
+    path = record_path(profile, host)
+    if plan.empty:
+        # Configured already, but the OS may have dropped something since (macOS
+        # comes back from a reboot without the subnet route of a router-less
+        # service): the backend's follow-up finds it, and it is repaired and recorded.
+        repair = backend.plan_follow_up(host, profile.link, peers)
+        plan.notes.extend(repair.notes)
+        plan.changes.extend(repair.changes)
+        if not dry_run and not plan.empty:
+
+            def verify_repair() -> None:
+                _verify_default(backend, default)
+                _check_followed_up(backend, host, profile, peers)
+
+            result.applied = apply(plan, backend.execute, verify=verify_repair)
+            _save_record(path, profile, host, _load_record(path) + result.applied)
+        result.elapsed_s = time.perf_counter() - t0
+        return result
+    if dry_run:
         result.elapsed_s = time.perf_counter() - t0
         return result
     adds_address = any(c.action in ("addr_add", "run") for c in plan.changes)
@@ -270,18 +301,38 @@ def setup(
                     f"{CARRIER_WAIT_S:g} s (nobody on the segment can answer yet)"
                 )
 
-    def verify() -> None:
-        _verify_default(backend, default)
-        now = backend.link_facts(host.interface)
-        if not now.has_address(str(host.address)) or now.mtu != profile.link.mtu:
-            raise CheckFailed(
-                f"after setup {host.interface} has {list(now.addresses)} MTU {now.mtu}, "
-                f"not {host.address} MTU {profile.link.mtu}",
-                "see `linkctl status`",
-            )
+    follow_ups: list[Change] = []
 
-    result.applied = apply(plan, backend.execute, before=before, verify=verify)
-    path = record_path(profile, host)
+    def verify() -> None:
+        # The backend waits for the OS to take the changes, then plans what it left
+        # undone (macOS: a missing subnet route). Those are applied here, inside the
+        # transaction: a later failure undoes them first, then the plan.
+        follow = backend.plan_follow_up(host, profile.link, peers)
+        plan.notes.extend(follow.notes)
+        follow_ups.extend(apply(follow, backend.execute))
+        try:
+            _verify_default(backend, default)
+            now = backend.link_facts(host.interface)
+            if not now.has_address(str(host.address)) or now.mtu != profile.link.mtu:
+                raise CheckFailed(
+                    f"after setup {host.interface} has {list(now.addresses)} MTU {now.mtu}, "
+                    f"not {host.address} MTU {profile.link.mtu}",
+                    "see `linkctl status`",
+                )
+            if follow.changes:
+                _check_followed_up(backend, host, profile, peers)
+        except BaseException as exc:
+            failures = rollback(follow_ups, backend.execute)
+            follow_ups.clear()
+            if failures:
+                raise ApplyError(
+                    f"{exc}; undoing the follow-up left: {'; '.join(failures)}",
+                    "inspect with `linkctl status` and fix by hand",
+                ) from exc
+            raise
+
+    result.applied = [*apply(plan, backend.execute, before=before, verify=verify), *follow_ups]
+    plan.changes.extend(follow_ups)
     _save_record(path, profile, host, _load_record(path) + result.applied)
     result.elapsed_s = time.perf_counter() - t0
     return result

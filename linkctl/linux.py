@@ -19,7 +19,7 @@ import psutil
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
-from linkctl.errors import ApplyError, InputError
+from linkctl.errors import ApplyError, CheckFailed, InputError
 from linkctl.netstate import LinkFacts, Route
 from linkctl.plan import Change, Plan
 from linkctl.profile import HostSpec, LinkSpec
@@ -316,6 +316,31 @@ class LinuxBackend:
                 "the previous MTU is unknown and left as it is"
             )
         return plan
+
+    def plan_follow_up(self, host: HostSpec, link: LinkSpec, peers: list[HostSpec]) -> Plan:
+        """Nothing is left undone on Linux: the kernel adds the subnet route with the
+        address, and netlink/nmcli return once the change is in place. Checks that the
+        kernel's route to each peer leaves through the link (no more specific route or
+        policy rule elsewhere captures it)."""
+        with _ipr() as ipr:
+            names = {lk["index"]: lk.get("IFLA_IFNAME") for lk in ipr.get_links()}
+            for peer in peers:
+                try:
+                    found = ipr.route("get", dst=peer.ip)
+                except NetlinkError as e:
+                    code = errno.errorcode.get(e.code, str(e.code))
+                    raise CheckFailed(
+                        f"no route to {peer.name} ({peer.ip}): {code}", "see `linkctl status`"
+                    ) from None
+                oif = names.get(found[0].get("RTA_OIF")) if found else None
+                if oif != host.interface:
+                    raise CheckFailed(
+                        f"traffic to {peer.name} ({peer.ip}) leaves through {oif}, "
+                        f"not {host.interface}",
+                        "look for a more specific route or a policy rule that captures "
+                        f"{link.subnet} (`ip route get {peer.ip}`)",
+                    )
+        return Plan()
 
     # ---- execution ---------------------------------------------------------
 

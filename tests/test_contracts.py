@@ -1,0 +1,149 @@
+"""Both OS backends held to the same contract: the types and shapes everything above
+them (link, probe, CLI) relies on, so that nothing above ever branches on the OS.
+
+Linux runs for real, read-only, in the current network namespace (interfaces,
+link_facts("lo"), routes, default_route; plans are computed from given facts and
+never applied). macOS runs through the replay runner on recorded outputs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import ipaddress
+import json
+from dataclasses import fields
+
+import pytest
+from macos_replay import backend as mac_backend
+from macos_replay import configured, mac_studio
+
+from linkctl.backend import Backend
+from linkctl.linux import LinuxBackend
+from linkctl.macos import MacBackend
+from linkctl.netstate import LinkFacts, Route
+from linkctl.plan import Change, Plan
+from linkctl.profile import load_profile
+from linkctl.runner import Runner
+
+OWNERS = {"networkmanager", "systemd-networkd", "networksetup", "none"}
+PROF = load_profile("dgx-mac")[0]
+
+
+@pytest.fixture(params=["linux", "macos"])
+def case(request):
+    """(backend, an interface that exists for it, the profile host it plays)."""
+    if request.param == "linux":
+        return LinuxBackend(Runner()), "lo", PROF.host("dgx")
+    return mac_backend(mac_studio()), "en0", PROF.host("mac")
+
+
+def test_backend_classes_implement_the_whole_protocol_with_the_same_signatures():
+    methods = [n for n, v in vars(Backend).items() if callable(v) and not n.startswith("_")]
+    assert {"interfaces", "link_facts", "routes", "default_route", "plan_setup",
+            "plan_teardown", "plan_follow_up", "execute"} <= set(methods)  # fmt: skip
+    for cls in (LinuxBackend, MacBackend):
+        for name in methods:
+            want = list(inspect.signature(getattr(Backend, name)).parameters)
+            assert list(inspect.signature(getattr(cls, name)).parameters) == want, (cls, name)
+    assert (LinuxBackend.os_name, MacBackend.os_name) == ("linux", "macos")
+
+
+def check_facts(f: LinkFacts, ifname: str) -> None:
+    assert type(f) is LinkFacts and f.ifname == ifname
+    assert {x.name for x in fields(f)} == {x.name for x in fields(LinkFacts)}
+    assert type(f.up) is bool and type(f.carrier) is bool
+    assert type(f.mtu) is int and f.mtu > 0
+    assert f.mac is None or (type(f.mac) is str and f.mac == f.mac.lower())
+    assert type(f.addresses) is tuple
+    for a in f.addresses:
+        assert type(a) is str and "/" in a
+        ipaddress.IPv4Interface(a)
+    assert f.speed_mbps is None or (type(f.speed_mbps) is int and f.speed_mbps > 0)
+    assert f.duplex in (None, "full", "half")
+    for m in (f.min_mtu, f.max_mtu):
+        assert m is None or type(m) is int
+    assert f.owner in OWNERS and type(f.owner_detail) is str and type(f.media) is str
+    json.dumps(f.as_dict())
+
+
+def check_route(r: Route) -> None:
+    assert type(r) is Route
+    ipaddress.IPv4Network(r.dst)  # a CIDR
+    assert r.gateway is None or ipaddress.IPv4Address(r.gateway)
+    assert r.ifname is None or type(r.ifname) is str
+    assert r.metric is None or type(r.metric) is int
+    assert type(r.detail) is tuple
+    assert all(type(k) is str and type(v) is str for k, v in r.detail)
+    json.dumps(r.as_dict())
+
+
+def check_plan(plan: Plan, *, undo_required: bool) -> None:
+    assert type(plan) is Plan and type(plan.changes) is list and type(plan.notes) is list
+    assert all(type(n) is str for n in plan.notes)
+    d = json.loads(json.dumps(plan.as_dict()))
+    assert [Change.from_dict(c) for c in d["changes"]] == plan.changes
+    for c in plan.changes:
+        assert type(c) is Change and c.action and c.target and c.summary
+        if undo_required:
+            assert type(c.undo) is Change and c.undo.summary, f"no undo: {c.summary}"
+        if c.action == "run":
+            assert type(c.args["argv"]) is list and all(type(a) is str for a in c.args["argv"])
+
+
+def test_interfaces(case):
+    b, ifname, _ = case
+    names = b.interfaces()
+    assert type(names) is list and ifname in names and names == sorted(names)
+
+
+def test_link_facts(case):
+    b, ifname, _ = case
+    check_facts(b.link_facts(ifname), ifname)
+
+
+def test_routes_and_default_route(case):
+    b, _, _ = case
+    routes = b.routes()
+    assert type(routes) is list
+    for r in routes:
+        check_route(r)
+    d = b.default_route()
+    if d is not None:
+        check_route(d)
+        assert d.is_default
+
+
+def test_missing_interface_is_an_input_error_naming_the_others(case):
+    from linkctl.errors import InputError
+
+    b, _, _ = case
+    with pytest.raises(InputError) as e:
+        b.link_facts("nosuch9")
+    assert e.value.exit_code == 2 and e.value.fix and "one of" in e.value.fix
+
+
+def _before_setup(b, host) -> LinkFacts:
+    if isinstance(b, LinuxBackend):
+        # Given facts of an unmanaged port that is down: planning is pure, nothing runs.
+        return LinkFacts(host.interface, False, False, 1500, None, ())
+    return b.link_facts(host.interface)
+
+
+def test_setup_plan_shape_every_change_has_its_undo(case):
+    b, _, host = case
+    plan = b.plan_setup(PROF.name, host, PROF.link, _before_setup(b, host))
+    assert plan.changes
+    check_plan(plan, undo_required=True)
+
+
+def test_teardown_and_follow_up_plans(case):
+    b, _, host = case
+    if isinstance(b, MacBackend):
+        b = mac_backend(configured(mac_studio()))
+        facts = b.link_facts(host.interface)
+        check_plan(b.plan_teardown(PROF.name, host, facts), undo_required=False)
+        follow = b.plan_follow_up(host, PROF.link, PROF.peers_of(host.name))
+    else:
+        # No peers: nothing is looked up, only the shape is checked.
+        follow = b.plan_follow_up(host, PROF.link, [])
+    check_plan(follow, undo_required=True)
