@@ -159,7 +159,7 @@ def run_estimate(
         model,
         parts,
         link,
-        ctx or prof.serve.ctx,
+        prof.serve.ctx if ctx is None else ctx,
         parse_split(tensor_split),
         ngl=prof.serve.ngl,
         n_prompt=prompt,
