@@ -20,7 +20,7 @@ os.environ.setdefault("TYPER_USE_RICH", "0")
 import typer
 
 from linkctl import __version__
-from linkctl.commands import estimate, lab, link, serve
+from linkctl.commands import estimate, lab, link, serve, service
 from linkctl.errors import LinkctlError
 
 app = typer.Typer(
@@ -36,7 +36,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-for module in (link, lab, serve, estimate):
+for module in (link, lab, serve, estimate, service):
     module.register(app)
 
 

@@ -1,0 +1,184 @@
+"""service install / uninstall / status: boot-time systemd units and launchd daemons."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from linkctl.commands.common import DryRunOpt, HostOpt, JsonOpt, ProfileOpt, load
+from linkctl.output import console, print_json, verdict
+
+service_app = typer.Typer(
+    help="Boot-time services that bring the link and the llama.cpp pair up by themselves.",
+    no_args_is_help=True,
+)
+RootOpt = Annotated[
+    Path,
+    typer.Option(
+        "--root",
+        help="Install into this directory instead of the real system (/). Nothing is "
+        "enabled or started unless the root is /.",
+    ),
+]
+
+
+def _show(res, json_: bool) -> None:
+    if json_:
+        print_json(res.as_dict())
+        return
+    for note in res.notes:
+        console.print(f"[cyan]note:[/] {note}")
+    if res.profile:
+        console.print(
+            f"{res.action} ({res.manager}) for {res.profile}/{res.host} in {res.root}"
+            + (" [dry run]" if res.dry_run else ""),
+            markup=False,
+        )
+    for d in res.dirs_created:
+        console.print(f"  mkdir     {d}", markup=False)
+    for f in res.files:
+        extra = f" (backup {f.backup})" if f.backup and f.action in ("replace", "restore") else ""
+        console.print(f"  {f.action:9} {f.path}{extra}", markup=False)
+    for d in res.dirs_removed:
+        console.print(f"  rmdir     {d}", markup=False)
+    for argv in res.commands:
+        head = "would run" if res.dry_run else "ran"
+        console.print(f"  {head}: {' '.join(argv)}", markup=False)
+    if res.profile and not res.changed and not res.dry_run:
+        console.print("nothing changed", markup=False)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(service_app, name="service")
+
+
+@service_app.command("install")
+def service_install(
+    profile: ProfileOpt = None,
+    host: HostOpt = None,
+    root: RootOpt = Path("/"),
+    linkctl_bin: Annotated[
+        str | None,
+        typer.Option(
+            "--linkctl-bin",
+            help="linkctl as the services run it (default: this running linkctl).",
+            show_default=False,
+        ),
+    ] = None,
+    llama_bin_dir: Annotated[
+        str | None,
+        typer.Option(
+            "--llama-bin-dir",
+            help="Directory of ggml-rpc-server / llama-server (default: what serve finds now).",
+            show_default=False,
+        ),
+    ] = None,
+    serve_user: Annotated[
+        str | None,
+        typer.Option(
+            "--serve-user",
+            help="Account for serve/responder (default: systemd DynamicUser when the files "
+            "allow it, else root without capabilities; macOS: root).",
+            show_default=False,
+        ),
+    ] = None,
+    wait_carrier: Annotated[
+        float,
+        typer.Option("--wait-carrier", help="Seconds setup waits for carrier at boot."),
+    ] = 120.0,
+    dry_run: DryRunOpt = False,
+    json_: JsonOpt = False,
+) -> None:
+    """Render the units (systemd) or daemons (launchd) for this host and install them.
+
+    Refuses (exit 2, nothing written) when linkctl or the llama.cpp binaries are not
+    where the services would run them, or the profile does not validate. Idempotent;
+    anything foreign it overwrites is kept as FILE.linkctl-bak.
+
+    Examples:
+      linkctl service install --profile dgx-mac --dry-run
+      linkctl service install --profile dgx-mac --host dgx --root /tmp/img
+    """
+    import os
+
+    from linkctl import service as svc
+    from linkctl.backend import get_backend
+    from linkctl.errors import InputError
+    from linkctl.link import identify_host
+
+    prof, path = load(profile)
+    try:
+        h = identify_host(prof, get_backend(), host)
+    except InputError as e:
+        raise InputError(e.message, "pass --host NAME (the host the services are for)") from None
+    root = root.resolve()
+    bin_dir = llama_bin_dir or svc.default_llama_bin_dir(h)
+    if not bin_dir:
+        raise InputError(
+            f"no llama.cpp {'rpc-server' if h.role == 'rpc' else 'llama-server'} found for "
+            f"{h.name}; the serve service needs one",
+            "run scripts/build-llama.sh, or pass --llama-bin-dir DIR",
+        )
+    target = f"{svc.PROFILE_DIR}/{prof.name}.toml"
+    text: str | None = path.read_text()
+    if str(root) == "/" and os.path.realpath(path) == os.path.realpath(target):
+        text = None  # the profile already lives where the units read it
+    paths = svc.ServicePaths(
+        linkctl_bin=linkctl_bin or svc.default_linkctl_bin(),
+        llama_bin_dir=os.path.abspath(bin_dir),
+        profile_path=target,
+        profile_text=text,
+        wait_carrier_s=wait_carrier,
+        serve_user=serve_user,
+    )
+    import linkctl
+
+    pkg = str(Path(linkctl.__file__).parent) if str(root) == "/" else None
+    res = svc.install(prof, h, paths, root=root, dry_run=dry_run, package_dir=pkg)
+    _show(res, json_)
+
+
+@service_app.command("uninstall")
+def service_uninstall(
+    root: RootOpt = Path("/"), dry_run: DryRunOpt = False, json_: JsonOpt = False
+) -> None:
+    """Stop and remove what `service install` put there; restore what it replaced.
+
+    Example: linkctl service uninstall --dry-run
+    """
+    from linkctl import service as svc
+
+    _show(svc.uninstall(root=root.resolve(), dry_run=dry_run), json_)
+
+
+@service_app.command("status")
+def service_status(root: RootOpt = Path("/"), json_: JsonOpt = False) -> None:
+    """What is installed, whether it is intact, and (on /) whether it is running.
+    Exit 1 when something installed is missing, modified, or not running.
+
+    Example: linkctl service status --json
+    """
+    from linkctl import service as svc
+
+    st = svc.status(root=root.resolve())
+    if json_:
+        print_json(st.as_dict())
+    else:
+        for note in st.notes:
+            console.print(f"[cyan]note:[/] {note}")
+        if st.installed:
+            console.print(
+                f"{st.manager} services for {st.profile}/{st.host} in {st.root}", markup=False
+            )
+            for f in st.files:
+                v = "PASS" if f["state"] == "ok" else "FAIL"
+                console.print(f"  {verdict(v)} {f['path']}: {f['state']}")
+            for s in st.services:
+                v = "PASS" if s["ok"] else "FAIL"
+                pid = f" pid {s['pid']}" if s.get("pid") else ""
+                detail = f" ({s['sub']})" if s.get("sub") else ""
+                console.print(f"  {verdict(v)} {s['name']}: {s['active']}{detail}{pid}")
+    if not st.ok:
+        raise typer.Exit(1)
