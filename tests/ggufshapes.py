@@ -139,6 +139,7 @@ def write_header_only(
     # A vocabulary, as real files carry (long string arrays the reader must skip).
     w.add_tokenizer_model("gpt2")
     w.add_token_list([f"tok{i}" for i in range(shape.vocab)])
+    w.add_token_merges([f"t{i} k{i}" for i in range(shape.vocab - 256)])
     for name, ggml_shape, t in shape.tensors():
         np_shape = tuple(reversed(ggml_shape))
         w.add_tensor_info(
