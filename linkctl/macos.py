@@ -38,6 +38,7 @@ from linkctl.macos_parse import (
     IfconfigInterface,
     MtuRange,
     NetworkService,
+    RouteGet,
     ServiceInfo,
     networksetup_error,
     parse_get_mtu,
@@ -102,7 +103,7 @@ class MacBackend:
             )
         return res.stdout
 
-    def _route_get(self, target: str):
+    def _route_get(self, target: str) -> RouteGet | None:
         res = self.runner.run(["route", "-n", "get", target], check=False, timeout=10)
         if not res.ok and _NOT_IN_TABLE not in res.stderr + res.stdout:
             raise CommandFailed(res)
@@ -437,10 +438,17 @@ class MacBackend:
                 f"{change.summary}: `{argv[0]}` changes the network configuration and needs root",
                 "run linkctl with sudo",
             )
+        if not self.runner.which(argv[0]):
+            raise InputError(f"command not found: {argv[0]}", "run linkctl on macOS")
         if argv[0] == NETWORKSETUP:
             try:
                 self._networksetup(*argv[1:])
             except InputError as e:
+                if "admin privileges" in e.message:
+                    raise InputError(
+                        f"{change.summary}: networksetup says it needs admin privileges",
+                        "run linkctl with sudo",
+                    ) from None
                 if argv[1] == "-setMTU":
                     raise InputError(
                         f"{change.target} refused MTU {argv[-1]}: {e.message}",
@@ -448,8 +456,6 @@ class MacBackend:
                     ) from None
                 raise ApplyError(f"{change.summary}: {e.message}") from None
             return
-        if not self.runner.which(argv[0]):
-            raise InputError(f"command not found: {argv[0]}", "run linkctl on macOS")
         res = self.runner.run(argv, check=False, timeout=30)
         if res.ok:
             return

@@ -447,3 +447,12 @@ def test_replay_runner_fails_loudly_on_an_unexpected_command():
     with pytest.raises(UnexpectedCommand):
         r.run(["networksetup", "-getinfo", "Wi-Fi"])
     assert r.unexpected == [("networksetup", "-getinfo", "Wi-Fi")]
+
+
+def test_networksetup_refusing_for_want_of_admin_privileges(prof, mac):
+    r = mac_studio()
+    r.answers[argv(SETMTU)] = out("networksetup-error-admin-privileges-constructed.txt")
+    with pytest.raises(InputError) as e:
+        link.setup(prof, mac, backend(r))
+    assert e.value.exit_code == 2 and "admin privileges" in e.value.message
+    assert "sudo" in e.value.fix and r.changes() == [SETMTU]
