@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 from xml.sax.saxutils import escape as xml_escape
 
-from linkctl.errors import CheckFailed, InputError
+from linkctl.errors import InputError
 from linkctl.paths import REPO_ROOT
 from linkctl.profile import HostSpec, Profile
 from linkctl.runner import Runner, default_runner
@@ -477,6 +477,7 @@ class ServiceResult:
     dirs_removed: list[str] = field(default_factory=list)
     commands: list[list[str]] = field(default_factory=list)
     started: bool = False
+    serve_user: str | None = None  # None: DynamicUser (systemd) / root (launchd)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -568,6 +569,7 @@ def install(
     result = ServiceResult(
         "install", str(root), manager, profile.name, host.name, dry_run, notes=list(pre.notes)
     )
+    result.serve_user = paths.serve_user
     files = render(profile, host, paths)
     old = load_manifest(root) or {"files": [], "dirs": []}
     old_files = {f["path"]: f for f in old["files"]}
@@ -575,6 +577,17 @@ def install(
     dirs: list[str] = list(old["dirs"])
     ops: list[Callable[[], None]] = []
     undo: list[Callable[[], None]] = []
+    planned: set[str] = set()
+
+    def need_dirs(path: str) -> None:
+        for d in _missing_dirs(root, path):
+            if d in planned:
+                continue
+            planned.add(d)
+            ops.append(_mkdir_op(in_root(root, d), undo))
+            if d not in dirs:
+                dirs.append(d)
+                result.dirs_created.append(d)
 
     for path, text in files.items():
         target = in_root(root, path)
@@ -599,11 +612,7 @@ def install(
             ops.append(_backup_op(target, in_root(root, bak), undo))
             ops.append(_write_op(target, text, undo))
         else:
-            for d in _missing_dirs(root, path):
-                if d not in dirs:
-                    dirs.append(d)
-                    result.dirs_created.append(d)
-                    ops.append(_mkdir_op(in_root(root, d), undo))
+            need_dirs(path)
             result.files.append(FileAction(path, "update" if target.exists() else "create"))
             ops.append(_write_op(target, text, undo))
         entries.append(entry)
@@ -612,17 +621,9 @@ def install(
         if path not in files:
             result.files.append(FileAction(path, "remove", f.get("backup")))
             ops.append(_remove_op(root, f, undo))
-    if manager == "launchd" and not in_root(root, LAUNCHD_LOG_DIR).is_dir():
-        for d in [*_missing_dirs(root, LAUNCHD_LOG_DIR + "/x")]:
-            if d not in dirs:
-                dirs.append(d)
-                result.dirs_created.append(d)
-                ops.append(_mkdir_op(in_root(root, d), undo))
-    for d in _missing_dirs(root, MANIFEST):
-        if d not in dirs:
-            dirs.append(d)
-            result.dirs_created.append(d)
-            ops.append(_mkdir_op(in_root(root, d), undo))
+    if manager == "launchd":
+        need_dirs(LAUNCHD_LOG_DIR + "/any.log")  # launchd opens log files, not directories
+    need_dirs(MANIFEST)
     manifest = {
         "version": 1,
         "manager": manager,
@@ -902,8 +903,3 @@ def _launchd_state(runner: Runner, lab: str) -> dict[str, Any]:
         "result": last,
         "ok": ok,
     }
-
-
-def require_ok(st: ServiceStatus) -> None:
-    if not st.ok:
-        raise CheckFailed("services are not all installed and running", "see the lines above")
