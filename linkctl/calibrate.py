@@ -55,8 +55,24 @@ def _post(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
     req = urllib.request.Request(
         url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
     )
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace")[:300]
+        raise CheckFailed(f"llama-server {url} answered HTTP {e.code}: {detail}") from None
+    except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+        raise CheckFailed(f"llama-server {url}: {e}") from None
+
+
+def prompt_tokens(port: int, n: int) -> list[int]:
+    """``n`` token ids of plain English text, via llama-server's own tokenizer, so the
+    prefill measurement has the same length on every model."""
+    r = _post(f"http://127.0.0.1:{port}/tokenize", {"content": PROMPT_WORDS * 40}, 60)
+    toks = r.get("tokens") or []
+    if len(toks) < n:
+        toks = (toks * (n // max(1, len(toks)) + 1))[:n]
+    return toks[:n]
 
 
 def wait_health(port: int, proc: subprocess.Popen, timeout: float, log: Path | None) -> None:
@@ -79,7 +95,7 @@ def wait_health(port: int, proc: subprocess.Popen, timeout: float, log: Path | N
 
 
 def timed_completions(
-    port: int, tokens: int, runs: int, prompt: str, timeout: float = 600
+    port: int, tokens: int, runs: int, prompt: str | list[int], timeout: float = 600
 ) -> list[dict[str, float]]:
     """Warm-up, then ``runs`` requests; each run's llama-server timings."""
     url = f"http://127.0.0.1:{port}/completion"
@@ -119,11 +135,12 @@ def median_run(runs: list[dict[str, float]]) -> dict[str, float]:
     return srt[len(srt) // 2]
 
 
-def rpc_rtt_us(port: int, n: int = 200) -> float:
-    """p50 of GET_DEVICE_MEMORY request/response on one connection to an rpc-server."""
+def rpc_rtt_us(port: int, n: int = 200, host: str = "127.0.0.1") -> float:
+    """p50 of GET_DEVICE_MEMORY request/response on one connection to an rpc-server
+    (the same kind of exchange as a token's GET_TENSOR, minus the payload)."""
     from linkctl.rpc import CMD_GET_DEVICE_MEMORY, _open_hello
 
-    conn, _v, _f = _open_hello("127.0.0.1", port, 5.0)
+    conn, _v, _f = _open_hello(host, port, 5.0)
     try:
         conn.deadline = time.monotonic() + 60
         ts = []
@@ -219,8 +236,12 @@ def calibrate(
             f"llama.cpp binaries not found (tried {', '.join(bins.tried)})",
             "run scripts/build-llama.sh or pass --bin-dir",
         )
-    prompt = (PROMPT_WORDS * 3)[:600]
-    ctx = 2048
+    ctx = min(2048, model.context_length or 2048)
+    n_prompt = max(16, min(256, ctx - tokens - 16))
+    if ctx - tokens - 16 < 16:
+        raise InputError(
+            f"--tokens {tokens} does not fit the model's context {ctx}", "use fewer --tokens"
+        )
     common = [
         "-m",
         str(model_path),
@@ -269,6 +290,7 @@ def calibrate(
     with _Servers(runner) as srv:
         p = srv.spawn(local_argv, logs / "llama-server.log")
         wait_health(port, p, 300, logs / "llama-server.log")
+        prompt = prompt_tokens(port, n_prompt)
         local_runs = timed_completions(port, tokens, runs, prompt)
         p.terminate()
         p.wait(10)
