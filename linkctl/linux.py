@@ -125,6 +125,13 @@ class LinuxBackend:
                 )
             return out
 
+    def ping_argv(self, address: str, **kw: Any) -> list[str]:
+        """argv for iputils ping (see linkctl.ping: size, count, timeout_s, interval_s,
+        dont_fragment)."""
+        from linkctl.ping import linux_ping_argv
+
+        return linux_ping_argv(address, **kw)
+
     def default_route(self) -> Route | None:
         defaults = [r for r in self.routes() if r.is_default]
         # Lowest metric wins, as the kernel picks it.

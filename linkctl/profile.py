@@ -126,7 +126,8 @@ class ServeSpec(_Strict):
 class ProbeSpec(_Strict):
     min_throughput_gbps: float = Field(default=8.0, gt=0)
     max_rtt_p99_us: float = Field(default=500.0, gt=0)
-    duration_s: float = Field(default=3.0, gt=0, le=60)
+    # Seconds per iperf3 run (whole seconds; 4 runs: both ways, 1 and 4 streams).
+    duration_s: float = Field(default=1.0, gt=0, le=60)
     latency_samples: int = Field(default=1000, ge=10)
     timeout_s: float = Field(default=3.0, gt=0, le=60)
     responder_port: Port = 50070

@@ -1,0 +1,265 @@
+"""The probe report: checks with verdicts plus every raw figure; JSON, Prometheus, on disk.
+
+Saved as ``state_dir()/probe/<profile>--<host>--<peer>.json`` and, for the
+last peer probed, ``state_dir()/probe/latest.json``; ``estimate`` and
+``serve`` read them with ``load_report`` / ``load_latest``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from linkctl.errors import InputError
+from linkctl.paths import state_dir
+
+VERDICTS = ("PASS", "WARN", "FAIL", "SKIP")
+
+
+@dataclass
+class Check:
+    name: str
+    verdict: str  # PASS / WARN / FAIL / SKIP
+    value: Any = None
+    threshold: Any = None
+    detail: str = ""
+
+    def __post_init__(self) -> None:
+        if self.verdict not in VERDICTS:
+            raise ValueError(f"verdict {self.verdict!r} not one of {VERDICTS}")
+
+
+@dataclass
+class ProbeReport:
+    profile: str
+    host: str
+    peer: str
+    peer_address: str
+    time: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
+    checks: list[Check] = field(default_factory=list)
+    nic: dict[str, Any] = field(default_factory=dict)
+    arp: dict[str, Any] = field(default_factory=dict)
+    mtu: dict[str, Any] = field(default_factory=dict)
+    latency: dict[str, Any] = field(default_factory=dict)
+    throughput: dict[str, Any] = field(default_factory=dict)
+    rpc: dict[str, Any] | None = None
+    # Why the probe stopped early (empty when it ran every step) and the exit code
+    # that stop implies: 1 a check failed, 2 a step could not run.
+    stopped: str = ""
+    stop_code: int = 0
+    elapsed_s: float = 0.0
+
+    def add(
+        self, name: str, verdict: str, value: Any = None, threshold: Any = None, detail: str = ""
+    ) -> Check:
+        c = Check(name, verdict, value, threshold, detail)
+        self.checks.append(c)
+        return c
+
+    def stop(self, reason: str, code: int) -> None:
+        self.stopped, self.stop_code = reason, code
+
+    @property
+    def exit_code(self) -> int:
+        if self.stop_code == 2:
+            return 2
+        if self.stop_code == 1 or any(c.verdict == "FAIL" for c in self.checks):
+            return 1
+        return 0
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "profile": self.profile,
+            "host": self.host,
+            "peer": self.peer,
+            "peer_address": self.peer_address,
+            "time": self.time,
+            "ok": self.ok,
+            "exit_code": self.exit_code,
+            "stopped": self.stopped or None,
+            "elapsed_s": round(self.elapsed_s, 3),
+            "checks": [asdict(c) for c in self.checks],
+            "nic": self.nic,
+            "arp": self.arp,
+            "mtu": self.mtu,
+            "latency": self.latency,
+            "throughput": self.throughput,
+            "rpc": self.rpc,
+        }
+
+
+# ---- on disk -------------------------------------------------------------------
+
+
+def report_dir() -> Path:
+    return state_dir() / "probe"
+
+
+def report_path(profile: str, host: str, peer: str) -> Path:
+    return report_dir() / f"{profile}--{host}--{peer}.json"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save(report: ProbeReport) -> Path:
+    """Write the per-peer file and latest.json; returns the per-peer path."""
+    text = json.dumps(report.to_json(), indent=2, default=str) + "\n"
+    path = report_path(report.profile, report.host, report.peer)
+    try:
+        _write_atomic(path, text)
+        _write_atomic(report_dir() / "latest.json", text)
+    except OSError as e:
+        raise InputError(
+            f"cannot save the probe report under {report_dir()}: {e}",
+            "run as the user owning the state directory or set LINKCTL_STATE_DIR",
+        ) from None
+    return path
+
+
+def _load(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise InputError(f"no probe report at {path}", "run `linkctl probe` first")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise InputError(
+            f"probe report {path} is unreadable: {e}", "run `linkctl probe` again"
+        ) from None
+
+
+def load_report(profile: str, host: str, peer: str) -> dict[str, Any]:
+    """The saved report of probing ``peer`` from ``host`` under ``profile`` (a dict)."""
+    return _load(report_path(profile, host, peer))
+
+
+def load_latest() -> dict[str, Any]:
+    """The most recently saved report (the last peer of the last probe run)."""
+    return _load(report_dir() / "latest.json")
+
+
+# ---- Prometheus textfile ------------------------------------------------------------
+
+
+def _labels(d: dict[str, Any]) -> str:
+    def esc(v: Any) -> str:
+        return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+    return "{" + ",".join(f'{k}="{esc(v)}"' for k, v in d.items()) + "}"
+
+
+_METRICS: dict[str, tuple[str, str]] = {
+    "linkctl_probe_ok": ("gauge", "1 when every probe check passed"),
+    "linkctl_probe_exit_code": (
+        "gauge",
+        "probe exit code: 0 pass, 1 a check failed, 2 could not run",
+    ),
+    "linkctl_probe_timestamp_seconds": ("gauge", "when the probe ran (unix time)"),
+    "linkctl_probe_duration_seconds": ("gauge", "wall time of the probe"),
+    "linkctl_probe_check_ok": ("gauge", "1 when the check passed or warned, 0 on FAIL, -1 skipped"),
+    "linkctl_probe_link_speed_mbps": ("gauge", "negotiated link speed"),
+    "linkctl_probe_mtu_bytes": ("gauge", "local interface MTU"),
+    "linkctl_probe_path_mtu_ok": ("gauge", "1 when a DF echo at MTU-28 bytes got through"),
+    "linkctl_probe_tcp_rtt_microseconds": ("gauge", "TCP request/response round trip"),
+    "linkctl_probe_icmp_rtt_microseconds": ("gauge", "ICMP echo round trip"),
+    "linkctl_probe_throughput_gbps": ("gauge", "iperf3 received throughput"),
+    "linkctl_probe_retransmits": ("gauge", "iperf3 sender TCP retransmits"),
+    "linkctl_probe_rpc_device_free_bytes": ("gauge", "llama.cpp rpc-server device free memory"),
+    "linkctl_probe_rpc_device_total_bytes": ("gauge", "llama.cpp rpc-server device total memory"),
+}
+
+
+def to_prometheus(reports: list[ProbeReport]) -> str:
+    """Every figure of every report, in the text exposition format (HELP/TYPE once)."""
+    samples: dict[str, list[str]] = {k: [] for k in _METRICS}
+
+    def put(name: str, labels: dict[str, Any], value: float | int | None) -> None:
+        if value is None:
+            return
+        samples[name].append(f"{name}{_labels(labels)} {float(value):g}")
+
+    for r in reports:
+        base = {"profile": r.profile, "host": r.host, "peer": r.peer}
+        put("linkctl_probe_ok", base, int(r.ok))
+        put("linkctl_probe_exit_code", base, r.exit_code)
+        ts = datetime.fromisoformat(r.time).timestamp()
+        put("linkctl_probe_timestamp_seconds", base, ts)
+        put("linkctl_probe_duration_seconds", base, round(r.elapsed_s, 3))
+        for c in r.checks:
+            v = {"PASS": 1, "WARN": 1, "FAIL": 0, "SKIP": -1}[c.verdict]
+            put("linkctl_probe_check_ok", {**base, "check": c.name, "verdict": c.verdict}, v)
+        put("linkctl_probe_link_speed_mbps", base, r.nic.get("speed_mbps"))
+        put("linkctl_probe_mtu_bytes", base, r.nic.get("mtu"))
+        if "df_ok" in r.mtu:
+            put("linkctl_probe_path_mtu_ok", base, int(bool(r.mtu["df_ok"])))
+        for size, st in (r.latency.get("tcp") or {}).items():
+            for q, key in (
+                ("0", "min_us"),
+                ("0.5", "p50_us"),
+                ("0.9", "p90_us"),
+                ("0.99", "p99_us"),
+                ("1", "max_us"),
+            ):
+                put(
+                    "linkctl_probe_tcp_rtt_microseconds",
+                    {**base, "size_bytes": size, "quantile": q},
+                    st.get(key),
+                )
+        icmp = r.latency.get("icmp") or {}
+        for stat in ("min", "avg", "max"):
+            put(
+                "linkctl_probe_icmp_rtt_microseconds",
+                {**base, "stat": stat},
+                icmp.get(f"{stat}_us"),
+            )
+        for t in r.throughput.values():
+            if not isinstance(t, dict) or "gbps" not in t:
+                continue
+            lab = {**base, "direction": t.get("direction"), "streams": t.get("streams")}
+            put("linkctl_probe_throughput_gbps", lab, t.get("gbps"))
+            put("linkctl_probe_retransmits", lab, t.get("retransmits"))
+        for i, d in enumerate((r.rpc or {}).get("devices") or []):
+            lab = {**base, "device": i}
+            put("linkctl_probe_rpc_device_free_bytes", lab, d.get("free"))
+            put("linkctl_probe_rpc_device_total_bytes", lab, d.get("total"))
+    out = []
+    for name, (kind, help_) in _METRICS.items():
+        if samples[name]:
+            out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", *samples[name]]
+    return "\n".join(out) + "\n"
+
+
+def write_prometheus(path: str | Path, reports: list[ProbeReport]) -> Path:
+    """Write atomically (node_exporter's textfile collector may read at any moment)."""
+    p = Path(path)
+    if not p.parent.is_dir():
+        raise InputError(
+            f"--prom {path}: directory {p.parent} does not exist",
+            "create it or point --prom at node_exporter's textfile directory",
+        )
+    try:
+        _write_atomic(p, to_prometheus(reports))
+    except OSError as e:
+        raise InputError(
+            f"--prom {path}: cannot write: {e}", "check the path's permissions"
+        ) from None
+    return p

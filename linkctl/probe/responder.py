@@ -1,0 +1,241 @@
+"""`linkctl responder`: the peer side of the probe.
+
+A TCP echo server for round-trip latency plus a supervised ``iperf3 -s`` for
+throughput, both bound only to this host's link address (a wildcard is
+refused: the responder answers anyone who can reach it). Threads, not
+asyncio: a blocking recv/send loop per connection is the lowest-latency echo
+Python can do. SIGTERM (or SIGINT) stops both cleanly.
+
+Protocol: on connect the server sends one JSON line (the banner, so the
+probe knows it reached a linkctl responder and which iperf3 port runs), then
+echoes every byte it receives until the client closes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import logging
+import signal
+import socket
+import subprocess
+import threading
+import time
+from typing import Any
+
+from linkctl.errors import InputError
+from linkctl.runner import Runner, default_runner
+
+log = logging.getLogger(__name__)
+
+SERVICE = "linkctl-responder"
+PROTOCOL = 1
+BUF = 256 * 1024
+MAX_CLIENTS = 16
+IPERF_HINT = "Debian/Ubuntu: sudo apt install iperf3; macOS: brew install iperf3"
+
+
+def iperf3_path(runner: Runner) -> str:
+    path = runner.which("iperf3")
+    if not path:
+        raise InputError("iperf3 is not installed", IPERF_HINT)
+    return path
+
+
+class Responder:
+    def __init__(
+        self,
+        address: str,
+        port: int,
+        iperf_port: int,
+        *,
+        runner: Runner | None = None,
+        iperf: bool = True,
+    ):
+        try:
+            ip = ipaddress.IPv4Address(address)
+        except ValueError:
+            raise InputError(
+                f"responder address {address!r} is not an IPv4 address",
+                "give the host's link address",
+            ) from None
+        if ip.is_unspecified:
+            raise InputError(
+                f"responder address {address} is a wildcard",
+                "the responder binds only to this host's link address; fix hosts.address",
+            )
+        self.address, self.port, self.iperf_port = address, port, iperf_port
+        self.runner = runner or default_runner()
+        self.iperf = iperf
+        self._sock: socket.socket | None = None
+        self._stop = threading.Event()
+        self._iperf_proc: subprocess.Popen | None = None
+        self._iperf_lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._clients: set[socket.socket] = set()
+        self.iperf_restarts = 0
+
+    # ---- lifecycle -----------------------------------------------------------------
+
+    def start(self) -> None:
+        iperf_bin = iperf3_path(self.runner) if self.iperf else None
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((self.address, self.port))
+        except OSError as e:
+            s.close()
+            if e.errno == 99:  # EADDRNOTAVAIL
+                raise InputError(
+                    f"{self.address} is not an address of this host",
+                    "run `linkctl setup` first so the link address exists",
+                ) from None
+            raise InputError(
+                f"cannot listen on {self.address}:{self.port}: {e.strerror}",
+                "another responder running? change probe.responder_port",
+            ) from None
+        s.listen(8)
+        s.settimeout(0.5)
+        self._sock = s
+        if iperf_bin:
+            self._spawn_iperf(iperf_bin)
+            t = threading.Thread(
+                target=self._supervise, args=(iperf_bin,), daemon=True, name="iperf3-supervisor"
+            )
+            t.start()
+            self._threads.append(t)
+        t = threading.Thread(target=self._accept_loop, daemon=True, name="echo-accept")
+        t.start()
+        self._threads.append(t)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._sock:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+        for c in list(self._clients):
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+        with self._iperf_lock:
+            p = self._iperf_proc
+            if p and p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(3)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(3)
+        for t in self._threads:
+            t.join(2)
+
+    def serve_forever(self, ready: Any = None) -> None:
+        """start(), then block until SIGTERM/SIGINT; always stop() the children."""
+        done = threading.Event()
+
+        def _handler(signum: int, _frame: Any) -> None:
+            done.set()
+
+        old = {sig: signal.signal(sig, _handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            self.start()
+            if ready:
+                ready(self.info())
+            while not done.wait(0.5):
+                pass
+        finally:
+            self.stop()
+            for sig, h in old.items():
+                signal.signal(sig, h)
+
+    def info(self) -> dict[str, Any]:
+        p = self._iperf_proc
+        return {
+            "service": SERVICE,
+            "protocol": PROTOCOL,
+            "address": self.address,
+            "port": self.port,
+            "iperf_port": self.iperf_port if self.iperf else None,
+            "iperf_running": bool(p and p.poll() is None),
+            "iperf_pid": p.pid if p else None,
+            "iperf_restarts": self.iperf_restarts,
+        }
+
+    # ---- iperf3 -----------------------------------------------------------------------
+
+    def _spawn_iperf(self, iperf_bin: str) -> None:
+        with self._iperf_lock:
+            if self._stop.is_set():
+                return
+            self._iperf_proc = self.runner.spawn(
+                [iperf_bin, "-s", "-B", self.address, "-p", str(self.iperf_port)]
+            )
+
+    def _supervise(self, iperf_bin: str) -> None:
+        backoff = 0.2
+        while not self._stop.is_set():
+            p = self._iperf_proc
+            if p is None:
+                return
+            try:
+                rc = p.wait(0.5)
+            except subprocess.TimeoutExpired:
+                backoff = 0.2
+                continue
+            if self._stop.is_set():
+                return
+            log.warning("iperf3 server exited %s; restarting in %.1f s", rc, backoff)
+            if self._stop.wait(backoff):
+                return
+            backoff = min(backoff * 2, 5.0)
+            self.iperf_restarts += 1
+            self._spawn_iperf(iperf_bin)
+
+    # ---- echo --------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        assert self._sock is not None
+        while not self._stop.is_set():
+            try:
+                conn, _addr = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if len(self._clients) >= MAX_CLIENTS:
+                conn.close()
+                continue
+            t = threading.Thread(target=self._echo, args=(conn,), daemon=True)
+            t.start()
+
+    def _echo(self, conn: socket.socket) -> None:
+        self._clients.add(conn)
+        try:
+            conn.settimeout(None)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.sendall((json.dumps(self.info()) + "\n").encode())
+            buf = bytearray(BUF)
+            view = memoryview(buf)
+            recv_into, sendall = conn.recv_into, conn.sendall
+            while True:
+                n = recv_into(buf)
+                if not n:
+                    return
+                sendall(view[:n])
+        except OSError:
+            return
+        finally:
+            self._clients.discard(conn)
+            conn.close()
+
+
+def wait_listening(address: str, port: int, timeout: float) -> bool:
+    """True once something accepts on address:port (for tests and the boot service)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((address, port), timeout=0.5):
+                return True
+        except OSError:
+            time.sleep(0.05)
+    return False

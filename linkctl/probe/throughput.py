@@ -1,0 +1,134 @@
+"""Step 5: throughput with the system iperf3 (-J JSON) against the responder's iperf3 -s.
+
+Four runs: forward (we send) and reverse (-R, the peer sends), each with 1
+and 4 parallel streams. Gbit/s is ``end.sum_received.bits_per_second`` (what
+arrived), retransmits ``end.sum_sent.retransmits`` (the sender's count; with
+-R the server reports its own). iperf3 serves one test at a time: a second
+client gets "the server is busy running a test", reported as such.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from typing import Any
+
+from linkctl.errors import InputError
+from linkctl.probe.responder import IPERF_HINT
+from linkctl.runner import Runner
+
+RUNS = (("fwd_p1", False, 1), ("rev_p1", True, 1), ("fwd_p4", False, 4), ("rev_p4", True, 4))
+
+
+class IperfError(Exception):
+    """iperf3 ran but could not measure; .code is the probe exit code (2: could not run)."""
+
+    def __init__(self, message: str, code: int = 2):
+        self.code = code
+        super().__init__(message)
+
+
+def iperf_seconds(duration_s: float) -> int:
+    """iperf3 -t takes whole seconds (and -t 0 means 'forever'): round up, at least 1."""
+    return max(1, math.ceil(duration_s - 1e-9))
+
+
+def run_iperf(
+    runner: Runner,
+    peer_ip: str,
+    src_ip: str,
+    port: int,
+    *,
+    seconds: int,
+    streams: int,
+    reverse: bool,
+    timeout_s: float,
+) -> dict[str, Any]:
+    if not runner.which("iperf3"):
+        raise InputError("iperf3 is not installed on this host", IPERF_HINT)
+    argv = [
+        "iperf3",
+        "-c",
+        peer_ip,
+        "-B",
+        src_ip,
+        "-p",
+        str(port),
+        "-J",
+        "-t",
+        str(seconds),
+        "-P",
+        str(streams),
+        "--connect-timeout",
+        str(int(timeout_s * 1000)),
+    ]
+    if reverse:
+        argv.append("-R")
+    # iperf3 itself gives up on an unreachable server after --connect-timeout; the
+    # runner's timeout is the backstop for a test that never ends.
+    res = runner.run(argv, timeout=seconds + timeout_s + 10, check=False)
+    try:
+        data = json.loads(res.stdout)
+    except ValueError:
+        detail = (res.stderr or res.stdout).strip().splitlines()
+        raise IperfError(
+            f"iperf3 gave no JSON (exit {res.returncode}): {detail[-1] if detail else 'no output'}"
+        ) from None
+    err = data.get("error")
+    if err:
+        low = err.lower()
+        where = f"{peer_ip}:{port}"
+        if "busy" in low:
+            raise IperfError(
+                f"iperf3 server on {where} is busy running another test; retry when it finishes"
+            )
+        if "connection refused" in low:
+            raise IperfError(
+                f"no iperf3 server on {where} (connection refused): is the "
+                "responder's iperf3 running on the peer?"
+            )
+        raise IperfError(f"iperf3 against {where}: {err}")
+    end = data.get("end") or {}
+    recv, sent = end.get("sum_received") or {}, end.get("sum_sent") or {}
+    if "bits_per_second" not in recv:
+        raise IperfError("iperf3 JSON lacks end.sum_received: test did not complete")
+    return {
+        "gbps": round(recv["bits_per_second"] / 1e9, 3),
+        "retransmits": sent.get("retransmits"),
+        "direction": "rev" if reverse else "fwd",
+        "streams": streams,
+        "seconds": round(recv.get("seconds") or seconds, 3),
+        "bytes": recv.get("bytes"),
+        "sender_gbps": round(sent.get("bits_per_second", 0) / 1e9, 3),
+    }
+
+
+def measure(
+    runner: Runner,
+    peer_ip: str,
+    src_ip: str,
+    port: int,
+    *,
+    duration_s: float,
+    timeout_s: float,
+    on_run: Callable[[str, int], None] | None = None,
+    runs: tuple[tuple[str, bool, int], ...] = RUNS,
+) -> dict[str, Any]:
+    """All runs in order; on_run(key, seconds) is called before each (progress display)."""
+    seconds = iperf_seconds(duration_s)
+    out: dict[str, Any] = {}
+    for key, reverse, streams in runs:
+        if on_run:
+            on_run(key, seconds)
+        out[key] = run_iperf(
+            runner,
+            peer_ip,
+            src_ip,
+            port,
+            seconds=seconds,
+            streams=streams,
+            reverse=reverse,
+            timeout_s=timeout_s,
+        )
+    return out
