@@ -158,6 +158,13 @@ class MacBackend:
 
     # ---- facts ------------------------------------------------------------------
 
+    def ping_argv(self, address: str, **kw: object) -> list[str]:
+        """argv for macOS ping (see linkctl.ping: size, count, timeout_s, interval_s,
+        dont_fragment)."""
+        from linkctl.ping import macos_ping_argv
+
+        return macos_ping_argv(address, **kw)  # type: ignore[arg-type]
+
     def interfaces(self) -> list[str]:
         return sorted(parse_ifconfig(self.runner.run(["ifconfig", "-a"], timeout=10).stdout))
 
