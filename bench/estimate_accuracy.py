@@ -144,7 +144,7 @@ def proxy_stats(path: Path) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--keep", action="store_true", help="leave the lab up")
@@ -210,7 +210,7 @@ def main() -> int:
         cal_file = Path(cal["saved_to"])
 
         # Link throughput, as `linkctl probe` would measure it (iperf3 between the ends).
-        srv = Proc(name, "dgx", ["iperf3", "-s", "-B", dgx_ip, "-1"], work / "iperf3-s.log")
+        srv = Proc(name, "dgx", ["iperf3", "-s", "-B", dgx_ip], work / "iperf3-s.log")
         procs.append(srv)
         wait_port(name, "dgx", dgx_ip, 5201)
         ip = json.loads(in_ns(name, "mac", "iperf3", "-c", dgx_ip, "-t", "2", "-J"))

@@ -12,10 +12,13 @@
    in any real decode on this host.
 3. effective prefill compute = FLOPs per prompt token x prefill tok/s.
 4. ``--rpc``: the same model through a ggml-rpc-server on 127.0.0.1 (all layers
-   on the RPC device). The per-token difference, minus the loopback round trip
-   (timed with GET_DEVICE_MEMORY before llama-server connects) and the transfer
-   of the activations/logits, is the fixed per-token cost of one RPC boundary
-   (serialisation, dispatch, the rpc-server's graph handling).
+   on the RPC device), as this host works when it is the rpc end of a split.
+   Its per-token time minus the loopback round trip (timed with
+   GET_DEVICE_MEMORY before llama-server connects) gives this host's effective
+   bandwidth *as an RPC device* (rpc_effective_bandwidth_gbs), which folds in
+   the RPC processing cost (request (de)serialisation, the rpc-server's graph
+   dispatch); the estimate uses it for this host's rpc role. The difference to
+   the local run is reported as rpc_overhead_us (noisy on a busy host).
 
 The record goes to state_dir()/calibration.json under this host's profile name.
 """
@@ -333,7 +336,11 @@ def calibrate(
         rb = median_run(rpc_runs)
         per_tok_local = 1e6 / best["predicted_per_second"]
         per_tok_rpc = 1e6 / rb["predicted_per_second"]
-        overhead = max(0.0, per_tok_rpc - per_tok_local - loop_rtt)
+        overhead = per_tok_rpc - per_tok_local - loop_rtt
+        # This host as an RPC device: its per-token time behind a (loopback) RPC boundary,
+        # less the round trip, over the bytes it reads. Folds in the RPC processing cost.
+        rpc_bytes = decode_bytes_per_token(model, rb["prompt_n"] + rb["predicted_n"] / 2)
+        rpc_bw = rpc_bytes / max(1.0, per_tok_rpc - loop_rtt) * 1e6 / 1e9
         rec["rpc"] = {
             "runs": rpc_runs,
             "decode_tok_s": rb["predicted_per_second"],
@@ -342,6 +349,7 @@ def calibrate(
             "local_per_token_us": per_tok_local,
         }
         rec["rpc_overhead_us"] = overhead
+        rec["rpc_effective_bandwidth_gbs"] = rpc_bw
     rec["saved_to"] = str(save_calibration(h.name, rec))
     return rec
 
@@ -369,7 +377,8 @@ def render_calibration(rec: dict[str, Any]) -> None:
         console.print(
             f"  via loopback RPC {r['decode_tok_s']:.1f} tok/s: "
             f"{r['per_token_us']:.0f} µs/token vs {r['local_per_token_us']:.0f} local, "
-            f"loopback RTT {r['loopback_rtt_us']:.0f} µs -> RPC overhead "
-            f"{rec['rpc_overhead_us']:.0f} µs per token per boundary"
+            f"loopback RTT {r['loopback_rtt_us']:.0f} µs -> as an RPC device "
+            f"{rec['rpc_effective_bandwidth_gbs']:.1f} GB/s effective (RPC costs "
+            f"{rec['rpc_overhead_us']:+.0f} µs per token over local)"
         )
     console.print(f"  saved to {rec['saved_to']}")

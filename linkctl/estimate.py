@@ -56,6 +56,14 @@ GIB = 1024**3
 # waits, so one round trip per token per device.
 RPC_ROUND_TRIPS_PER_TOKEN = 1
 
+# Bytes on the wire per token per RPC device besides the activations: the RPC
+# framing and serialized tensor descriptors of ~9 SET_TENSOR inputs (positions,
+# output ids, ...), one GRAPH_RECOMPUTE and one GET_TENSOR, plus the attention
+# mask row (~4 bytes per context token). Approximation of the proxy's count with
+# the tiny lab model: 10.9 KB per token at ctx ~300 (bench/estimate_accuracy.py
+# prints the measured figure).
+RPC_TOKEN_EXTRA_BYTES = 6144
+
 # llama.cpp compute buffer and allocator slack per device (assumption): the largest
 # share is the logits buffer, n_vocab x n_ubatch x 4 bytes, on the output device.
 FIXED_OVERHEAD_BYTES = 256 * 1024**2
@@ -345,7 +353,7 @@ def scenario(
         if link is None:
             raise InputError("a split needs link figures", "run `linkctl probe` or pass --rtt-us")
         out = model.vocab_size * 4 if d.holds_output else model.embedding_length * 4
-        b = model.embedding_length * 4 + out
+        b = model.embedding_length * 4 + out + RPC_TOKEN_EXTRA_BYTES + 4 * ctx
         crossing += b
         trips += RPC_ROUND_TRIPS_PER_TOKEN
         rtt_us += RPC_ROUND_TRIPS_PER_TOKEN * link.rtt_us

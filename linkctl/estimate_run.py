@@ -4,6 +4,7 @@ GGUF header), call the pure model in linkctl.estimate, render the result."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -111,12 +112,19 @@ def participants(
             if info.devices:
                 free = float(sum(d.free for d in info.devices))
                 free_src = f"rpc-server {h.rpc_endpoint} GET_DEVICE_MEMORY free"
-        overhead = float((cals.get(h.name) or {}).get("rpc_overhead_us") or 0.0)
-        if h.role == "rpc" and not overhead:
-            notes.append(
-                f"{h.name}: no measured RPC per-token overhead (run `linkctl calibrate "
-                "--rpc` there); counted as 0"
-            )
+        cal = cals.get(h.name) or {}
+        overhead = 0.0
+        if h.role == "rpc":
+            if cal.get("rpc_effective_bandwidth_gbs"):
+                # Measured behind a loopback RPC boundary: the RPC processing cost is in it.
+                dev = replace(
+                    dev, calibrated_bandwidth_gbs=float(cal["rpc_effective_bandwidth_gbs"])
+                )
+            else:
+                notes.append(
+                    f"{h.name}: not calibrated as an RPC device (run `linkctl calibrate --rpc` "
+                    "there): RPC processing cost not counted"
+                )
         if not dev.calibrated_bandwidth_gbs:
             notes.append(f"{h.name}: catalog figures for {dev.key} (not calibrated on this host)")
         out.append(Participant(h.name, h.role, dev, free, free_src, overhead))

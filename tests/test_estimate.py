@@ -13,6 +13,7 @@ from linkctl.errors import InputError
 from linkctl.estimate import (
     GIB,
     RPC_ROUND_TRIPS_PER_TOKEN,
+    RPC_TOKEN_EXTRA_BYTES,
     LinkFigures,
     Participant,
     estimate,
@@ -99,8 +100,9 @@ def test_split_adds_round_trips_and_transfer(models):
     assert b.decode_us - a.decode_us == pytest.approx(RPC_ROUND_TRIPS_PER_TOKEN * 1000.0)
     assert a.round_trips_per_token == RPC_ROUND_TRIPS_PER_TOKEN
     # In and out of the rpc device: one n_embd f32 activation each way.
-    assert a.bytes_crossing_per_token == 2 * 4 * m.embedding_length
-    assert a.network_transfer_us == pytest.approx(2 * 4 * 4096 * 8 / 10e9 * 1e6)
+    wire = 2 * 4 * m.embedding_length + RPC_TOKEN_EXTRA_BYTES + 4 * 1
+    assert a.bytes_crossing_per_token == wire
+    assert a.network_transfer_us == pytest.approx(wire * 8 / 10e9 * 1e6)
     # Each device's time is its share of bytes over its bandwidth.
     la = m.layer_active_bytes()
     rpc_load = next(d for d in a.devices if d.host == "rpc")
@@ -111,7 +113,8 @@ def test_logits_cross_the_link_when_the_output_layer_is_remote(models):
     m = models["7b"]
     parts = pair()
     sc = scenario("s", m, parts, slots_from_counts([33, 0]), 1, LINK)
-    assert sc.bytes_crossing_per_token == 4 * m.embedding_length + 4 * m.vocab_size
+    extra = RPC_TOKEN_EXTRA_BYTES + 4
+    assert sc.bytes_crossing_per_token == 4 * m.embedding_length + 4 * m.vocab_size + extra
 
 
 def test_rpc_overhead_is_added_per_boundary(models):
@@ -129,6 +132,7 @@ def test_kv_reads_grow_with_context(models):
     b = scenario("s", m, parts, slots, 5000, LINK)
     per_layer = m.kv_bytes_per_token_per_layer * 4000
     expect = per_layer * 40 / 200e9 * 1e6 + per_layer * 40 / 400e9 * 1e6
+    expect += 4 * 4000 * 8 / 10e9 * 1e6  # the attention mask row on the wire
     assert b.decode_us - a.decode_us == pytest.approx(expect)
 
 
