@@ -16,8 +16,8 @@ Needs root (namespaces) and the llama.cpp binaries (scripts/build-llama.sh).
    - the link round trip through the proxy, from mac: p50 of 200
      GET_DEVICE_MEMORY exchanges (before llama-server connects: rpc-server
      serves one client at a time);
-   - measured: median of 3 /completion runs of N tokens, llama-server's
-     timings.predicted_per_second;
+   - measured: the fastest of --runs /completion runs of N tokens (llama-server's
+     timings.predicted_per_second; other load only slows runs down), median beside it;
    - round trips per token: the proxy's counters across two requests of 16 and
      16+N tokens, difference / N (prefill cancels out);
    - predicted: `linkctl estimate --json` in the mac namespace with that RTT,
@@ -144,7 +144,7 @@ def proxy_stats(path: Path) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--keep", action="store_true", help="leave the lab up")
@@ -289,7 +289,10 @@ def main() -> int:
             runs = json.loads(
                 in_ns(name, "mac", PY, "-c", COMPLETE, "8080", str(a.tokens), str(a.runs), prompt)
             )
-            measured = statistics.median(r["predicted_per_second"] for r in runs)
+            # The fastest run, as calibrate keeps: the other engineers' jobs on this 2-core
+            # machine only ever slow a run down. The median is reported beside it.
+            measured = max(r["predicted_per_second"] for r in runs)
+            measured_median = statistics.median(r["predicted_per_second"] for r in runs)
             prompt_n = runs[0]["prompt_n"]
             turns_per_tok = ((s2["turns"] - s1["turns"]) - (s1["turns"] - s0["turns"])) / a.tokens
             cmds = {
@@ -336,6 +339,7 @@ def main() -> int:
                     "rtt_us": rtt,
                     "measured_tok_s": measured,
                     "measured_runs": [r["predicted_per_second"] for r in runs],
+                    "measured_median_tok_s": measured_median,
                     "predicted_tok_s": predicted,
                     "error_pct": (predicted - measured) / measured * 100,
                     "round_trips_per_token": turns_per_tok,

@@ -4,7 +4,8 @@
    warm-up request, then ``runs`` timed /completion requests of ``tokens``
    decode tokens each (ignore_eos, prompt cache off); llama-server's own
    ``timings`` give decode tok/s (predicted_per_second) and prefill tok/s
-   (prompt_per_second); the median run is kept.
+   (prompt_per_second); the fastest run is kept (other load on the host only
+   ever slows a run down, so the fastest is the least disturbed).
 2. effective decode bandwidth = bytes read per token x decode tok/s, with bytes
    per token from the GGUF header exactly as the estimate counts them (active
    weights + output head + KV cache at the mean context of the run). Per-token
@@ -133,9 +134,8 @@ def timed_completions(
     return out
 
 
-def median_run(runs: list[dict[str, float]]) -> dict[str, float]:
-    srt = sorted(runs, key=lambda r: r["predicted_per_second"])
-    return srt[len(srt) // 2]
+def best_run(runs: list[dict[str, float]]) -> dict[str, float]:
+    return max(runs, key=lambda r: r["predicted_per_second"])
 
 
 def rpc_rtt_us(port: int, n: int = 200, host: str = "127.0.0.1") -> float:
@@ -203,7 +203,7 @@ def calibrate(
     *,
     host: str | None,
     tokens: int = 64,
-    runs: int = 3,
+    runs: int = 5,
     threads: int | None = None,
     rpc: bool = False,
     bin_dir: str | None = None,
@@ -297,7 +297,7 @@ def calibrate(
         local_runs = timed_completions(port, tokens, runs, prompt)
         p.terminate()
         p.wait(10)
-    best = median_run(local_runs)
+    best = best_run(local_runs)
     ctx_mean = best["prompt_n"] + best["predicted_n"] / 2
     bpt = decode_bytes_per_token(model, ctx_mean)
     bw = bpt * best["predicted_per_second"] / 1e9
@@ -333,7 +333,7 @@ def calibrate(
             hp = srv.spawn(head_argv, logs / "llama-server-rpc.log")
             wait_health(port2, hp, 300, logs / "llama-server-rpc.log")
             rpc_runs = timed_completions(port2, tokens, runs, prompt)
-        rb = median_run(rpc_runs)
+        rb = best_run(rpc_runs)
         per_tok_local = 1e6 / best["predicted_per_second"]
         per_tok_rpc = 1e6 / rb["predicted_per_second"]
         overhead = per_tok_rpc - per_tok_local - loop_rtt
