@@ -82,3 +82,64 @@ def test_calibrate_refuses_header_only_model(make_lab, tmp_path):
     r = lab.run("dgx", "calibrate", "--model", str(p))
     assert r.returncode == 2
     assert "header only" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_estimate_query_rpc_uses_the_servers_free_memory(make_lab, tmp_path):
+    """--query-rpc asks the real ggml-rpc-server (GET_DEVICE_MEMORY) over the lab link."""
+    import subprocess
+    import time
+
+    bins = need_llama()
+    lab = make_lab("dgx-mac")
+    for h in ("dgx", "mac"):
+        r = lab.run(h, "setup")
+        assert r.returncode == 0, r.stderr
+    dgx_ip = lab.host("dgx")["address"].split("/")[0]
+    srv = subprocess.Popen(
+        [
+            "ip",
+            "netns",
+            "exec",
+            lab.netns("dgx"),
+            bins.rpc_server.path,
+            "-H",
+            dgx_ip,
+            "-p",
+            "50052",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        p = write_header_only(tmp_path / "7b.gguf", LLAMA_7B)
+        deadline = time.monotonic() + 20
+        while True:
+            r = lab.run(
+                "mac",
+                "estimate",
+                "--model",
+                str(p),
+                "--query-rpc",
+                "--rtt-us",
+                "100",
+                "--throughput-gbps",
+                "9",
+                "--json",
+            )
+            if r.returncode == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert r.returncode == 0, r.stderr
+        est = json.loads(r.stdout)
+        dgx = next(d for d in est["split"]["devices"] if d["host"] == "dgx")
+        # A CPU rpc-server reports this machine's free RAM: same order as MemAvailable.
+        avail = next(
+            int(line.split()[1]) * 1024
+            for line in Path("/proc/meminfo").read_text().splitlines()
+            if line.startswith("MemAvailable:")
+        )
+        assert 0.3 * avail < dgx["free_bytes"] < 3 * avail
+        assert dgx["free_bytes"] != pytest.approx(128 * 1024**3 * 0.9)  # not the profile's
+    finally:
+        srv.terminate()
+        srv.wait(10)
