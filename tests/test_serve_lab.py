@@ -1,0 +1,217 @@
+"""End to end in the lab namespaces with the real llama.cpp binaries.
+
+dgx (rpc) runs `linkctl serve` -> ggml-rpc-server on its link address;
+mac (head) runs `linkctl serve` -> llama-server --rpc 198.18.100.2:50052.
+A completion goes through, the rpc-server holds the model's layers, a killed
+rpc-server is brought back by the supervisors and a new completion succeeds.
+Then the head refuses endpoints that speak another protocol or no HELLO.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from llama_util import need_llama, start_fake, stop
+
+pytestmark = [pytest.mark.netns, pytest.mark.llama]
+
+COMPLETE = r"""
+import json, sys, urllib.request
+body = json.dumps({"prompt": sys.argv[2], "n_predict": int(sys.argv[3]), "ignore_eos": True,
+                   "temperature": 0, "cache_prompt": False}).encode()
+req = urllib.request.Request(sys.argv[1], body, {"Content-Type": "application/json"})
+with urllib.request.urlopen(req, timeout=float(sys.argv[4])) as r:
+    print(r.read().decode())
+"""
+
+
+class Serve:
+    """`linkctl serve` running in the background inside a lab host."""
+
+    def __init__(self, lab, host: str, role: str, args: list[str], log: Path):
+        self.lab, self.host, self.role, self.log = lab, host, role, log
+        self.status_path = Path(lab.info["root"]) / "hosts" / host / "serve" / f"{role}.json"
+        self.status_path.unlink(missing_ok=True)
+        self._f = open(log, "w")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "linkctl",
+                "lab",
+                "exec",
+                host,
+                "--name",
+                lab.name,
+                "--",
+                "linkctl",
+                "serve",
+                *args,
+            ],
+            stdout=self._f,
+            stderr=subprocess.STDOUT,
+        )
+
+    def status(self) -> dict:
+        try:
+            return json.loads(self.status_path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def wait(self, pred, timeout: float, what: str) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            st = self.status()
+            if st and pred(st):
+                return st
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise AssertionError(f"{self.host}: {what} not reached; log:\n{self.text()[-4000:]}")
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> None:
+        """SIGTERM the supervisor (it forwards to its child) and wait for both."""
+        st = self.status()
+        pid, child = st.get("pid"), st.get("child_pid")
+        if pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self._f.close()
+        if child:
+            assert not _alive(child), f"{self.host}: child {child} outlived its supervisor"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is not alive
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def complete(lab, n: int, timeout: float = 30) -> dict:
+    r = lab.exec(
+        "mac",
+        sys.executable,
+        "-c",
+        COMPLETE,
+        "http://127.0.0.1:9999/completion",
+        "hello over the link",
+        str(n),
+        str(timeout),
+        timeout=timeout + 10,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout)
+
+
+def test_serve_pair_completion_recovery_and_refusals(make_lab, tmp_path):
+    need_llama()
+    lab = make_lab("dgx-mac")
+    from linkctl.tinymodel import TinySpec, write_tiny_llama
+
+    model = write_tiny_llama(tmp_path / "tiny.gguf", TinySpec(n_layer=4, n_embd=128, n_ff=256))
+    assert model["bytes"] > 0
+
+    # Before setup the link address is not on enP7s7: rpc-server is not started.
+    r = lab.run("dgx", "serve")
+    assert r.returncode == 2 and "not on link interface enP7s7" in r.stderr, r.stderr
+    for h in ("dgx", "mac"):
+        r = lab.run(h, "setup")
+        assert r.returncode == 0, r.stderr
+
+    # The head gates on a probe report: none yet.
+    r = lab.run("mac", "serve", "--model", model["path"])
+    assert r.returncode == 1 and "no probe report" in r.stderr, r.stderr
+
+    # The lab profile, with llama-server's info-level log (-lv 4 prints the buffers
+    # per device) and a context that fits the tiny model.
+    import tomllib
+
+    import tomli_w
+
+    data = tomllib.loads(Path(lab.profile_path).read_text())
+    data["serve"] |= {"ctx": 512, "extra_args": ["-lv", "4"]}
+    prof = tmp_path / "lab-verbose.toml"
+    prof.write_text(tomli_w.dumps(data))
+
+    rpc_srv = Serve(lab, "dgx", "rpc", ["--profile", str(prof)], tmp_path / "dgx.log")
+    head = None
+    try:
+        st = rpc_srv.wait(lambda s: s["state"] == "ready", 60, "rpc-server ready")
+        rpc_pid = st["child_pid"]
+        import psutil
+
+        rss_before = psutil.Process(rpc_pid).memory_info().rss
+        head = Serve(
+            lab,
+            "mac",
+            "head",
+            ["--profile", str(prof), "--skip-probe", "--model", model["path"]],
+            tmp_path / "mac.log",
+        )
+        head.wait(lambda s: s["state"] == "ready", 120, "llama-server ready")
+
+        out = complete(lab, 16)
+        assert out["tokens_predicted"] == 16, out
+        # The rpc-server really holds the layers: llama-server put a model buffer on the
+        # RPC device, and the rpc-server process grew by at least the weights it holds.
+        log = head.text()
+        m = re.search(r"RPC\d*\[198\.18\.100\.2:50052\] model buffer size =\s*([\d.]+) MiB", log)
+        assert m and float(m.group(1)) > 0, log[-3000:]
+        grew = psutil.Process(rpc_pid).memory_info().rss - rss_before
+        assert grew > 0.5 * model["bytes"], (grew, model["bytes"])
+        assert "--skip-probe" in head.text()
+
+        # Kill rpc-server: both supervisors bring the pair back.
+        starts = head.status()["starts"]
+        t0 = time.monotonic()
+        os.kill(rpc_pid, signal.SIGKILL)
+        rpc_srv.wait(lambda s: s["starts"] >= 2 and s["state"] == "ready", 60, "rpc restart")
+        head.wait(lambda s: s["starts"] > starts and s["state"] == "ready", 120, "head restart")
+        out = complete(lab, 8)
+        recovery = time.monotonic() - t0
+        assert out["tokens_predicted"] == 8
+        assert "lost rpc endpoint 198.18.100.2:50052" in head.text()
+        print(f"\nRECOVERY_S={recovery:.2f}")
+        assert recovery < 90
+    finally:
+        if head:
+            head.stop()
+        rpc_srv.stop()
+
+    # Endpoints that cannot work are refused with a clear message.
+    ns_prefix = ["ip", "netns", "exec", lab.netns("dgx")]
+    for mode, want in (
+        ("v3", r"speaks RPC protocol 3\.0\.0 .*this head's build speaks 7\.\d+\.\d+"),
+        ("nohello", "closed the connection on HELLO in both known shapes"),
+    ):
+        fake = start_fake(mode, 50052, host="198.18.100.2", prefix=ns_prefix)
+        try:
+            r = lab.run(
+                "mac", "serve", "--skip-probe", "--model", model["path"], "--wait", "5", timeout=60
+            )
+        finally:
+            stop(fake)
+        assert r.returncode == 2, (mode, r.stderr)
+        assert re.search(want, r.stderr), (mode, r.stderr)
+        assert "Traceback" not in r.stderr
