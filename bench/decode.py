@@ -1,0 +1,216 @@
+#!/usr/bin/env python3
+"""Decode tokens/s for one tiny model: local only vs split over the lab link, in one run.
+
+    sudo .venv/bin/python bench/decode.py [--tokens 64] [--runs 5] [--layers 8] [--json]
+
+Stands up a dgx-mac lab (namespaces, 198.18.0.0/15 only), configures both
+ends with `linkctl setup`, writes the tiny random-weight llama GGUF, then on
+the head ("mac" namespace) runs llama-server three ways, one after another:
+
+  local   llama-server alone, every layer on the head's CPU
+  half    --rpc dgx, half the layers on the rpc-server in the "dgx" namespace
+  all     --rpc dgx, every layer on the rpc-server (-ngl 99)
+
+and asks each for the same completions (ignore_eos, so exactly --tokens
+tokens). Decode speed is llama-server's own timings.predicted_per_second;
+the median of --runs is reported, with min/max. Both servers run one thread
+(-t 1) so the comparison is the link, not core count. The lab is torn down
+at the end, whatever happens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+PORT = 9999
+
+
+def lab_exec(lab, host: str, argv: list[str], **kw) -> subprocess.CompletedProcess:
+    from linkctl.lab import exec_argv
+
+    full, env = exec_argv(lab, host, argv)
+    return subprocess.run(full, env=env, capture_output=True, text=True, timeout=120, **kw)
+
+
+def lab_spawn(lab, host: str, argv: list[str], log: Path) -> subprocess.Popen:
+    from linkctl.lab import exec_argv
+
+    full, env = exec_argv(lab, host, argv)
+    return subprocess.Popen(full, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def in_ns_python(lab, host: str, code: str, *args: str, timeout: float = 120) -> str:
+    r = lab_exec(lab, host, [sys.executable, "-c", code, *args])
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr[-2000:])
+    return r.stdout
+
+
+HEALTH = r"""
+import sys, time, urllib.request
+deadline = time.time() + float(sys.argv[2])
+while time.time() < deadline:
+    try:
+        with urllib.request.urlopen(sys.argv[1], timeout=1) as r:
+            if r.status == 200:
+                sys.exit(0)
+    except Exception:
+        pass
+    time.sleep(0.2)
+sys.exit(1)
+"""
+
+COMPLETE = r"""
+import json, sys, urllib.request
+body = json.dumps({"prompt": "The link carries", "n_predict": int(sys.argv[2]),
+                   "ignore_eos": True, "temperature": 0, "cache_prompt": False}).encode()
+req = urllib.request.Request(sys.argv[1], body, {"Content-Type": "application/json"})
+with urllib.request.urlopen(req, timeout=300) as r:
+    d = json.loads(r.read())
+print(json.dumps({"n": d["tokens_predicted"], "tps": d["timings"]["predicted_per_second"],
+                  "ms_per_token": d["timings"]["predicted_per_token_ms"]}))
+"""
+
+
+def measure(lab, name: str, argv: list[str], tokens: int, runs: int, logdir: Path) -> dict:
+    proc = lab_spawn(lab, "mac", argv, logdir / f"llama-server-{name}.log")
+    try:
+        base = f"http://127.0.0.1:{PORT}"
+        lab_exec(lab, "mac", [sys.executable, "-c", HEALTH, base + "/health", "120"], check=True)
+        in_ns_python(lab, "mac", COMPLETE, base + "/completion", "8")  # warm-up
+        samples = []
+        for _ in range(runs):
+            d = json.loads(in_ns_python(lab, "mac", COMPLETE, base + "/completion", str(tokens)))
+            assert d["n"] == tokens, d
+            samples.append(d)
+        tps = [s["tps"] for s in samples]
+        return {
+            "config": name,
+            "argv": argv,
+            "tokens": tokens,
+            "runs": runs,
+            "decode_tps_median": round(statistics.median(tps), 1),
+            "decode_tps_min": round(min(tps), 1),
+            "decode_tps_max": round(max(tps), 1),
+            "ms_per_token_median": round(statistics.median(s["ms_per_token"] for s in samples), 3),
+        }
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--embd", type=int, default=256)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    if os.geteuid() != 0:
+        print("bench/decode.py needs root (network namespaces)", file=sys.stderr)
+        return 2
+
+    from linkctl import lab as labmod
+    from linkctl.llama import find_bins
+    from linkctl.profile import load_profile
+    from linkctl.tinymodel import TinySpec, write_tiny_llama
+
+    bins = find_bins()
+    rpc_bin, server_bin = bins.need("rpc-server").path, bins.need("llama-server").path
+    tmp = Path(tempfile.mkdtemp(prefix="linkctl-bench-"))
+    os.environ.setdefault("LINKCTL_STATE_DIR", str(tmp / "state"))
+    model = write_tiny_llama(
+        tmp / "tiny.gguf", TinySpec(n_layer=a.layers, n_embd=a.embd, n_ff=a.embd * 2)
+    )
+    prof, _ = load_profile("dgx-mac")
+    name = "b" + uuid.uuid4().hex[:6]
+    lab = labmod.up(prof, name)
+    rpc_proc = None
+    try:
+        for h in ("dgx", "mac"):
+            r = lab_exec(lab, h, ["linkctl", "setup"])
+            if r.returncode != 0:
+                raise RuntimeError(f"setup {h}: {r.stderr}")
+        dgx_ip = lab.host("dgx").address.split("/")[0]
+        rpc_proc = lab_spawn(
+            lab, "dgx", [rpc_bin, "-H", dgx_ip, "-p", "50052", "-t", "1"], tmp / "rpc-server.log"
+        )
+        # HELLO from inside the head's namespace, over the link
+        in_ns_python(
+            lab,
+            "mac",
+            "import sys; from linkctl.rpc import wait_ready; "
+            "print(wait_ready(sys.argv[1], 50052, 30))",
+            dgx_ip,
+        )
+        common = [
+            "-m",
+            model["path"],
+            "-c",
+            "512",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(PORT),
+            "-t",
+            "1",
+            "--no-warmup",
+        ]
+        rpc = ["--rpc", f"{dgx_ip}:50052"]
+        configs = [
+            ("local", [server_bin, *common, "-ngl", "0"]),
+            ("half", [server_bin, *common, *rpc, "-ngl", str(a.layers // 2)]),
+            ("all", [server_bin, *common, *rpc, "-ngl", "99"]),
+        ]
+        t0 = time.time()
+        results = [measure(lab, n, argv, a.tokens, a.runs, tmp) for n, argv in configs]
+        out = {
+            "model": {k: model[k] for k in ("params", "bytes", "n_layer", "n_embd", "n_ff")},
+            "link": f"veth between lab namespaces, MTU {prof.link.mtu}",
+            "elapsed_s": round(time.time() - t0, 1),
+            "results": results,
+            "logs": str(tmp),
+        }
+    finally:
+        if rpc_proc:
+            rpc_proc.terminate()
+        labmod.down(name)
+    if a.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    m = out["model"]
+    print(
+        f"tiny llama: {m['n_layer']} layers, n_embd {m['n_embd']}, {m['params']} params, "
+        f"{m['bytes'] / 2**20:.1f} MiB; {a.tokens} tokens x {a.runs} runs; {out['link']}"
+    )
+    print(f"{'config':8} {'decode tok/s (median)':>22} {'min':>8} {'max':>8} {'ms/token':>9}")
+    for r in results:
+        print(
+            f"{r['config']:8} {r['decode_tps_median']:>22} {r['decode_tps_min']:>8} "
+            f"{r['decode_tps_max']:>8} {r['ms_per_token_median']:>9}"
+        )
+    base = results[0]["decode_tps_median"]
+    for r in results[1:]:
+        print(f"{r['config']} / local = {r['decode_tps_median'] / base:.2f}x")
+    print(f"logs: {out['logs']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
