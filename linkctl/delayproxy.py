@@ -205,18 +205,19 @@ class DelayProxy:
         self.stats = Stats()
         self.lock = threading.Lock()
         self._sock: socket.socket | None = None
+        self._port = listen[1]
         self._stop = threading.Event()
 
     @property
     def port(self) -> int:
-        assert self._sock is not None
-        return self._sock.getsockname()[1]
+        """The bound port (the real one when listen asked for port 0)."""
+        return self._port
 
     def snapshot(self) -> dict[str, Any]:
         with self.lock:
             d = self.stats.as_dict()
         d["delay_ms"] = self.delay_s * 1000
-        d["listen"] = f"{self.listen[0]}:{self.port if self._sock else self.listen[1]}"
+        d["listen"] = f"{self.listen[0]}:{self._port}"
         d["target"] = f"{self.target[0]}:{self.target[1]}"
         return d
 
@@ -226,6 +227,7 @@ class DelayProxy:
         s.bind(self.listen)
         s.listen(16)
         self._sock = s
+        self._port = s.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
         return self
 
