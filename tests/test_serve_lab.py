@@ -154,6 +154,43 @@ def test_serve_pair_completion_recovery_and_refusals(make_lab, tmp_path):
     prof = tmp_path / "lab-verbose.toml"
     prof.write_text(tomli_w.dumps(data))
 
+    # The real probe, with the real responder on dgx, writes the report the head gates on.
+    responder = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "linkctl",
+            "lab",
+            "exec",
+            "dgx",
+            "--name",
+            lab.name,
+            "--",
+            "linkctl",
+            "responder",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        r = None
+        for _ in range(20):  # until the responder listens
+            r = lab.run("mac", "probe", "--no-throughput", "--json")
+            if r.returncode != 2:
+                break
+            time.sleep(0.3)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    finally:
+        # stop the responder we started: the processes of dgx's namespace running it
+        pids = subprocess.run(
+            ["ip", "netns", "pids", lab.netns("dgx")], capture_output=True, text=True
+        ).stdout.split()
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                if b"responder" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    os.kill(int(pid), signal.SIGTERM)
+        responder.wait(10)
+
     rpc_srv = Serve(lab, "dgx", "rpc", ["--profile", str(prof)], tmp_path / "dgx.log")
     head = None
     try:
@@ -166,7 +203,7 @@ def test_serve_pair_completion_recovery_and_refusals(make_lab, tmp_path):
             lab,
             "mac",
             "head",
-            ["--profile", str(prof), "--skip-probe", "--model", model["path"]],
+            ["--profile", str(prof), "--model", model["path"]],
             tmp_path / "mac.log",
         )
         head.wait(lambda s: s["state"] == "ready", 120, "llama-server ready")
@@ -180,7 +217,7 @@ def test_serve_pair_completion_recovery_and_refusals(make_lab, tmp_path):
         assert m and float(m.group(1)) > 0, log[-3000:]
         grew = psutil.Process(rpc_pid).memory_info().rss - rss_before
         assert grew > 0.5 * model["bytes"], (grew, model["bytes"])
-        assert "--skip-probe" in head.text()
+        assert re.search(r"probe report \S+ for dgx: ok", head.text()), head.text()[:2000]
 
         # Kill rpc-server: both supervisors bring the pair back.
         starts = head.status()["starts"]
