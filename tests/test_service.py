@@ -555,7 +555,8 @@ def test_link_unit_command_lines_bring_the_link_up_in_the_lab(make_lab, tmp_path
             if r.returncode == 0 or time.monotonic() > deadline:
                 break
             time.sleep(1)
-        assert r.returncode == 0, r.stdout + r.stderr
+        dead = [(q.args, q.returncode, q.communicate()) for q in procs[2:] if q.poll() is not None]
+        assert r.returncode == 0, f"{r.stdout}{r.stderr}\nexited responders: {dead}"
         # The head's probe daemon passes too (the serve gate on macOS reads its report).
         full, env = _lab_argv(lab, "mac", plist_args("probe"))
         r = subprocess.run(full, env=env, capture_output=True, text=True, timeout=120)
