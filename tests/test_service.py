@@ -608,3 +608,99 @@ def test_wait_carrier_waits_for_the_peer_and_times_out_clearly(make_lab):
         ["ip", "-n", mac_ns, "-4", "-o", "addr", "show", "en0"], capture_output=True, text=True
     ).stdout
     assert lab.host("mac")["address"].split("/")[0] in addrs
+
+
+@pytest.mark.netns
+@pytest.mark.llama
+def test_rpc_serve_unit_runs_without_any_capability(make_lab, tmp_path):
+    """The rpc host's serve unit, as rendered: its ExecStart with its Environment, under
+    its empty CapabilityBoundingSet= and NoNewPrivileges: rpc-server comes up on the link
+    address and answers HELLO from the head."""
+    from llama_util import need_llama
+
+    need_tool("setpriv")
+    bins = need_llama()
+    lab = make_lab("dgx-mac")
+    for host in ("dgx", "mac"):
+        full, env = _lab_argv(lab, host, ["linkctl", "setup"])
+        subprocess.Popen(full, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for host in ("dgx", "mac"):
+        deadline = time.monotonic() + 60
+        while lab.run(host, "status").returncode != 0:
+            assert time.monotonic() < deadline, f"setup on {host} did not finish"
+            time.sleep(0.5)
+    prof = parse_profile(tomllib.loads(Path(lab.profile_path).read_text()))
+    exe = shutil.which("linkctl") or str(Path(sys.executable).parent / "linkctl")
+    bin_dir = str(Path(bins.rpc_server.path).parent)
+    paths = svc.ServicePaths(linkctl_bin=exe, llama_bin_dir=bin_dir, profile_path=lab.profile_path)
+    unit = unit_keys(
+        svc.render(prof, prof.host("dgx"), paths)[f"{svc.UNIT_DIR}/linkctl-serve.service"]
+    )
+    assert unit["Service.CapabilityBoundingSet"] == [""]
+    env_unit = dict(e.split("=", 1) for e in unit["Service.Environment"])
+    assert env_unit["LINKCTL_LLAMA_BIN"] == bin_dir
+    full, env = _lab_argv(lab, "dgx", shlex.split(unit["Service.ExecStart"][0]))
+    # StateDirectory=/CacheDirectory= stand-ins; LINKCTL_LLAMA_BIN as the unit sets it.
+    env.update(
+        env_unit,
+        LINKCTL_STATE_DIR=str(tmp_path / "state"),
+        LLAMA_CACHE=str(tmp_path / "cache"),
+        XDG_CACHE_HOME=str(tmp_path / "cache"),
+    )
+    full = [
+        *full[:4],
+        "setpriv",
+        "--no-new-privs",
+        "--bounding-set=-all",
+        "--inh-caps=-all",
+        *full[4:],
+    ]
+    p = subprocess.Popen(full, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        dgx = prof.host("dgx")
+        ask = f"from linkctl import rpc; print(rpc.hello({dgx.ip!r}, {dgx.rpc.port}, 2.0))"
+        deadline = time.monotonic() + 60
+        while True:
+            assert p.poll() is None, p.communicate()[0]
+            r = lab.exec("mac", sys.executable, "-c", ask, timeout=30)
+            if r.returncode == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert r.stdout.strip().startswith("(")
+    finally:
+        p.terminate()
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def test_manager_commands_for_the_real_system():
+    """What install runs on / (it cannot run here: no systemd as PID 1, no launchd):
+    reload only when something changed, start without blocking on the gate, and
+    launchd jobs reloaded only when their plist changed."""
+    prof, _ = load_profile("dgx-mac")
+    res = svc.ServiceResult("install", "/", "systemd", "dgx-mac", "dgx", False)
+    res.files = [svc.FileAction(f"{svc.UNIT_DIR}/{u}", "unchanged") for u in svc.SYSTEMD_UNITS]
+    cmds = svc._install_commands(prof.host("dgx"), res)
+    assert cmds == [["systemctl", "enable", "--now", "--no-block", *svc.SYSTEMD_UNITS]]
+    res.files[0].action = "update"
+    cmds = svc._install_commands(prof.host("dgx"), res)
+    assert cmds[0] == ["systemctl", "daemon-reload"]
+    assert cmds[-1] == ["systemctl", "try-restart", "--no-block", "linkctl-link.service"]
+
+    mac = prof.host("mac")
+    plist = f"{svc.LAUNCHD_DIR}/com.linkctl.serve.plist"
+    res = svc.ServiceResult("install", "/", "launchd", "dgx-mac", "mac", False)
+    res.files = [svc.FileAction(plist, "unchanged")]
+    assert svc._install_commands(mac, res) == [
+        ["launchctl", "enable", "system/com.linkctl.serve"],
+        ["launchctl", "bootstrap", "system", plist],
+    ]
+    res.files = [svc.FileAction(plist, "update")]
+    assert svc._install_commands(mac, res)[0] == [
+        "launchctl",
+        "bootout",
+        "system/com.linkctl.serve",
+    ]
