@@ -10,6 +10,7 @@ import select
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -487,3 +488,70 @@ def test_no_raw_socket_permission_reason(lab):
     assert "Traceback" not in r.stderr, r.stderr
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert "no permission for raw sockets" in r.stdout + r.stderr
+
+
+@pytest.mark.netns
+@pytest.mark.llama
+def test_rpc_endpoint_reported_from_real_rpc_server(lab):
+    from llama_util import need_llama, stop
+
+    bins = need_llama()
+    _setup(lab)
+    srv = subprocess.Popen(
+        [
+            "ip",
+            "netns",
+            "exec",
+            lab.netns("dgx"),
+            bins.rpc_server.path,
+            "-H",
+            "198.18.100.2",
+            "-p",
+            "50052",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        # Wait from inside the mac namespace: the address exists only there and on dgx.
+        w = lab.exec(
+            "mac",
+            sys.executable,
+            "-c",
+            f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r});"
+            "from llama_util import wait_listening;"
+            "wait_listening('198.18.100.2', 50052, 20)",
+            timeout=30,
+        )
+        assert w.returncode == 0, w.stderr
+        with responder(lab, "dgx"):
+            r, data, _ = _probe(lab, "--no-throughput", "--samples", "100")
+    finally:
+        stop(srv)
+    c = _check(data, "rpc")
+    assert c["verdict"] == "PASS", (c, r.stderr)
+    rpc = data["rpc"]
+    assert rpc["endpoint"] == "198.18.100.2:50052"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", rpc["version"])
+    assert rpc["devices"] and all(0 < d["free"] <= d["total"] for d in rpc["devices"])
+
+
+@pytest.mark.netns
+def test_head_probes_every_rpc_host(make_lab):
+    need_tool("iperf3")
+    lab = make_lab("dgx2-mac-switch")
+    for h in ("dgx1", "dgx2", "mac"):
+        r = lab.run(h, "setup")
+        assert r.returncode == 0, r.stderr
+    with responder(lab, "dgx1"), responder(lab, "dgx2"):
+        r = lab.run("mac", "probe", "--json", "--no-throughput", "--samples", "100")
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    data = json.loads(r.stdout)
+    assert [d["peer"] for d in data] == ["dgx1", "dgx2"]
+    assert [d["peer_address"] for d in data] == ["198.18.100.2", "198.18.100.3"]
+    state = Path(lab.info["root"]) / "hosts" / "mac" / "probe"
+    for d in data:
+        saved = json.loads((state / f"dgx2-mac-switch-lab--mac--{d['peer']}.json").read_text())
+        assert saved["time"] == d["time"] and saved["arp"]["mac"] == d["arp"]["mac"]
+    assert json.loads((state / "latest.json").read_text())["peer"] == "dgx2"
+    assert data[0]["arp"]["mac"] != data[1]["arp"]["mac"]
