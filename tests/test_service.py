@@ -539,6 +539,7 @@ def test_link_unit_command_lines_bring_the_link_up_in_the_lab(make_lab, tmp_path
             assert p.returncode == 0, out + err
         setup_s = time.monotonic() - t0
         assert setup_s < 30
+        print(f"cold boot of both hosts: setup with --wait-carrier done in {setup_s:.1f} s")
         for host in ("dgx", "mac"):
             st = lab.run(host, "status", "--profile", str(prof_path))
             assert st.returncode == 0, st.stdout + st.stderr
@@ -547,6 +548,7 @@ def test_link_unit_command_lines_bring_the_link_up_in_the_lab(make_lab, tmp_path
         start("mac", plist_args("responder"))
         # The gate, retried as systemd would (Restart=on-failure) while responders bind.
         gate = shlex.split(link["Service.ExecStart"][0])
+        t_gate = time.monotonic()
         deadline = time.monotonic() + 60
         while True:
             full, env = _lab_argv(lab, "dgx", gate)
@@ -557,6 +559,7 @@ def test_link_unit_command_lines_bring_the_link_up_in_the_lab(make_lab, tmp_path
             time.sleep(1)
         dead = [(q.args, q.returncode, q.communicate()) for q in procs[2:] if q.poll() is not None]
         assert r.returncode == 0, f"{r.stdout}{r.stderr}\nexited responders: {dead}"
+        print(f"probe gate passed {time.monotonic() - t_gate:.1f} s after the responders started")
         # The head's probe daemon passes too (the serve gate on macOS reads its report).
         full, env = _lab_argv(lab, "mac", plist_args("probe"))
         r = subprocess.run(full, env=env, capture_output=True, text=True, timeout=120)
