@@ -5,16 +5,17 @@
 
 Stands up a dgx-mac lab (namespaces, 198.18.0.0/15 only), configures both
 ends with `linkctl setup`, writes the tiny random-weight llama GGUF, then on
-the head ("mac" namespace) runs llama-server three ways, one after another:
+the head ("mac" namespace) runs llama-server three ways, all at once:
 
   local   llama-server alone, every layer on the head's CPU
   half    --rpc dgx, half the layers on the rpc-server in the "dgx" namespace
   all     --rpc dgx, every layer on the rpc-server (-ngl 99)
 
-and asks each for the same completions (ignore_eos, so exactly --tokens
-tokens). Decode speed is llama-server's own timings.predicted_per_second;
-the median of --runs is reported, with min/max. Both servers run one thread
-(-t 1) so the comparison is the link, not core count. The lab is torn down
+and asks them in turn, round robin, for the same completions (ignore_eos,
+so exactly --tokens tokens): load from elsewhere falls on all three alike.
+Decode speed is llama-server's own timings.predicted_per_second; the median
+of --runs is reported, with min/max. Every server (llama-server, rpc-server)
+runs one thread (-t 1), so the comparison is the link, not core count. The lab is torn down
 at the end, whatever happens.
 """
 
@@ -84,34 +85,54 @@ print(json.dumps({"n": d["tokens_predicted"], "tps": d["timings"]["predicted_per
 """
 
 
-def measure(lab, name: str, argv: list[str], tokens: int, runs: int, logdir: Path) -> dict:
-    proc = lab_spawn(lab, "mac", argv, logdir / f"llama-server-{name}.log")
+def measure(
+    lab, configs: list[tuple[str, int, list[str]]], tokens: int, runs: int, logdir: Path
+) -> list[dict]:
+    """Start every configuration's llama-server at once, then ask them in turn
+    (round robin), so that load from elsewhere on the machine falls on all alike."""
+    procs = [
+        lab_spawn(lab, "mac", argv, logdir / f"llama-server-{n}.log") for n, _p, argv in configs
+    ]
     try:
-        base = f"http://127.0.0.1:{PORT}"
-        lab_exec(lab, "mac", [sys.executable, "-c", HEALTH, base + "/health", "120"], check=True)
-        in_ns_python(lab, "mac", COMPLETE, base + "/completion", "8")  # warm-up
-        samples = []
+        for _n, port, _a in configs:
+            base = f"http://127.0.0.1:{port}"
+            lab_exec(
+                lab, "mac", [sys.executable, "-c", HEALTH, base + "/health", "120"], check=True
+            )
+            in_ns_python(lab, "mac", COMPLETE, base + "/completion", "8")  # warm-up
+        samples: dict[str, list[dict]] = {n: [] for n, _p, _a in configs}
         for _ in range(runs):
-            d = json.loads(in_ns_python(lab, "mac", COMPLETE, base + "/completion", str(tokens)))
-            assert d["n"] == tokens, d
-            samples.append(d)
-        tps = [s["tps"] for s in samples]
-        return {
-            "config": name,
-            "argv": argv,
-            "tokens": tokens,
-            "runs": runs,
-            "decode_tps_median": round(statistics.median(tps), 1),
-            "decode_tps_min": round(min(tps), 1),
-            "decode_tps_max": round(max(tps), 1),
-            "ms_per_token_median": round(statistics.median(s["ms_per_token"] for s in samples), 3),
-        }
+            for n, port, _a in configs:
+                url = f"http://127.0.0.1:{port}/completion"
+                d = json.loads(in_ns_python(lab, "mac", COMPLETE, url, str(tokens)))
+                assert d["n"] == tokens, d
+                samples[n].append(d)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    out = []
+    for n, _port, argv in configs:
+        tps = [x["tps"] for x in samples[n]]
+        out.append(
+            {
+                "config": n,
+                "argv": argv,
+                "tokens": tokens,
+                "runs": runs,
+                "decode_tps_median": round(statistics.median(tps), 1),
+                "decode_tps_min": round(min(tps), 1),
+                "decode_tps_max": round(max(tps), 1),
+                "ms_per_token_median": round(
+                    statistics.median(x["ms_per_token"] for x in samples[n]), 3
+                ),
+            }
+        )
+    return out
 
 
 def main() -> int:
@@ -141,45 +162,61 @@ def main() -> int:
     prof, _ = load_profile("dgx-mac")
     name = "b" + uuid.uuid4().hex[:6]
     lab = labmod.up(prof, name)
-    rpc_proc = None
+    rpc_procs: list[subprocess.Popen] = []
     try:
         for h in ("dgx", "mac"):
             r = lab_exec(lab, h, ["linkctl", "setup"])
             if r.returncode != 0:
                 raise RuntimeError(f"setup {h}: {r.stderr}")
         dgx_ip = lab.host("dgx").address.split("/")[0]
-        rpc_proc = lab_spawn(
-            lab, "dgx", [rpc_bin, "-H", dgx_ip, "-p", "50052", "-t", "1"], tmp / "rpc-server.log"
-        )
-        # HELLO from inside the head's namespace, over the link
-        in_ns_python(
-            lab,
-            "mac",
-            "import sys; from linkctl.rpc import wait_ready; "
-            "print(wait_ready(sys.argv[1], 50052, 30))",
-            dgx_ip,
-        )
-        common = [
-            "-m",
-            model["path"],
-            "-c",
-            "512",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(PORT),
-            "-t",
-            "1",
-            "--no-warmup",
-        ]
-        rpc = ["--rpc", f"{dgx_ip}:50052"]
+        # one rpc-server per split configuration: each serves one client at a time
+        for port in (50052, 50053):
+            rpc_procs.append(
+                lab_spawn(
+                    lab,
+                    "dgx",
+                    [rpc_bin, "-H", dgx_ip, "-p", str(port), "-t", "1"],
+                    tmp / f"rpc-server-{port}.log",
+                )
+            )
+            # HELLO from inside the head's namespace, over the link
+            in_ns_python(
+                lab,
+                "mac",
+                "import sys; from linkctl.rpc import wait_ready; "
+                "print(wait_ready(sys.argv[1], int(sys.argv[2]), 30))",
+                dgx_ip,
+                str(port),
+            )
+
+        def server(port: int, *extra: str) -> list[str]:
+            return [
+                server_bin,
+                "-m",
+                model["path"],
+                "-c",
+                "512",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "-t",
+                "1",
+                "--no-warmup",
+                *extra,
+            ]
+
         configs = [
-            ("local", [server_bin, *common, "-ngl", "0"]),
-            ("half", [server_bin, *common, *rpc, "-ngl", str(a.layers // 2)]),
-            ("all", [server_bin, *common, *rpc, "-ngl", "99"]),
+            ("local", PORT, server(PORT, "-ngl", "0")),
+            (
+                "half",
+                PORT + 1,
+                server(PORT + 1, "--rpc", f"{dgx_ip}:50052", "-ngl", str(a.layers // 2)),
+            ),
+            ("all", PORT + 2, server(PORT + 2, "--rpc", f"{dgx_ip}:50053", "-ngl", "99")),
         ]
         t0 = time.time()
-        results = [measure(lab, n, argv, a.tokens, a.runs, tmp) for n, argv in configs]
+        results = measure(lab, configs, a.tokens, a.runs, tmp)
         out = {
             "model": {k: model[k] for k in ("params", "bytes", "n_layer", "n_embd", "n_ff")},
             "link": f"veth between lab namespaces, MTU {prof.link.mtu}",
@@ -188,8 +225,8 @@ def main() -> int:
             "logs": str(tmp),
         }
     finally:
-        if rpc_proc:
-            rpc_proc.terminate()
+        for p in rpc_procs:
+            p.terminate()
         labmod.down(name)
     if a.json:
         print(json.dumps(out, indent=2))
