@@ -271,3 +271,28 @@ def test_tiny_model_deterministic_and_readable(tmp_path):
     assert len(kv["tokenizer.ggml.tokens"].contents()) == N_VOCAB
     names = {t.name for t in r.tensors}
     assert "blk.2.ffn_down.weight" in names and "output.weight" in names
+
+
+def test_binary_discovery_order(tmp_path, monkeypatch):
+    from linkctl.llama import find_bins
+
+    def make(d: Path, *names: str) -> Path:
+        d.mkdir(parents=True)
+        for n in names:
+            f = d / n
+            f.write_text("#!/bin/sh\necho 'version: 42 (test)' >&2\n")
+            f.chmod(0o755)
+        return d
+
+    prof_dir = make(tmp_path / "prof", "rpc-server")  # older name
+    env_dir = make(tmp_path / "env", "ggml-rpc-server", "llama-server")
+    monkeypatch.setenv("LINKCTL_LLAMA_BIN", str(env_dir))
+    monkeypatch.setenv("PATH", str(make(tmp_path / "path", "llama-server")))
+    b = find_bins(str(prof_dir))
+    assert b.rpc_server.path == str(prof_dir / "rpc-server")
+    assert b.rpc_server.found_via == "profile llama_bin_dir"
+    assert b.llama_server.path == str(env_dir / "llama-server")
+    assert b.llama_server.version == "version: 42 (test)"
+    monkeypatch.delenv("LINKCTL_LLAMA_BIN")
+    b = find_bins(None)
+    assert b.llama_server.found_via == "PATH"

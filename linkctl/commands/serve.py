@@ -88,6 +88,13 @@ def register(app: typer.Typer) -> None:
                 return
             for note in plan.notes:
                 console.print(f"[cyan]note:[/] {note}")
+            for b in (bins.rpc_server, bins.llama_server):
+                if b:
+                    console.print(
+                        f"bin  {b.name}: {b.path} (via {b.found_via}"
+                        f"{', ' + b.version if b.version else ''})",
+                        markup=False,
+                    )
             for name, argv in plan.rpc_argv.items():
                 console.print(f"rpc  {name}: {' '.join(argv)}", markup=False)
             console.print(f"head {prof.head.name}: {' '.join(plan.head_argv)}", markup=False)
