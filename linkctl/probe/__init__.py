@@ -126,7 +126,7 @@ def _steps(
             verdict,
             st["p99_us"],
             limit,
-            f"p99 us; p50 {st['p50_us']} us, {st['samples']} samples",
+            f"value is p99 (us); p50 {st['p50_us']} us, {st['samples']} samples",
         )
     mtu.check_icmp_rtt(report, backend, peer, spec.timeout_s, spec.max_rtt_p99_us)
 
