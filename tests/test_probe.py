@@ -555,3 +555,30 @@ def test_head_probes_every_rpc_host(make_lab):
         assert saved["time"] == d["time"] and saved["arp"]["mac"] == d["arp"]["mac"]
     assert json.loads((state / "latest.json").read_text())["peer"] == "dgx2"
     assert data[0]["arp"]["mac"] != data[1]["arp"]["mac"]
+
+
+@pytest.mark.netns
+def test_pinned_peer_mac_is_compared(lab, tmp_path):
+    import tomllib
+
+    import tomli_w
+
+    _setup(lab)
+    real = _ns_mac(lab, "dgx")
+    data = tomllib.loads(Path(lab.profile_path).read_text())
+    for mac, want_code in (("02:00:00:00:00:01", 1), (real, 2)):
+        for h in data["hosts"]:
+            if h["name"] == "dgx":
+                h["mac"] = mac
+        path = tmp_path / "pinned.toml"
+        path.write_text(tomli_w.dumps(data))
+        # No responder: a right MAC gets past ARP and stops at the latency step (exit 2).
+        r, out, _ = _probe(lab, "--profile", str(path))
+        assert r.returncode == want_code, (r.stdout, r.stderr)
+        if want_code == 1:
+            c = _check(out, "peer mac")
+            assert c["verdict"] == "FAIL" and c["value"] == real and c["threshold"] == mac
+            assert "not the pinned 02:00:00:00:00:01" in out["stopped"]
+        else:
+            c = _check(out, "peer arp")
+            assert c["verdict"] == "PASS" and "matches the pinned MAC" in c["detail"]
