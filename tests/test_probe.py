@@ -231,12 +231,47 @@ def _check(data, name):
 
 
 @pytest.mark.netns
+def _profile_with_probe(lab, tmp_path, **probe) -> str:
+    """The lab profile with some [probe] thresholds changed (same profile name)."""
+    import tomllib
+
+    import tomli_w
+
+    data = tomllib.loads(Path(lab.profile_path).read_text())
+    data.setdefault("probe", {}).update(probe)
+    path = tmp_path / "probe-profile.toml"
+    path.write_text(tomli_w.dumps(data))
+    return str(path)
+
+
+# This machine is a shared 2-vCPU VM: the client, the responder and everything else
+# running take turns on two vCPUs, and a 1000-sample p99 (the 10 slowest round trips
+# of ~15 ms of sampling) regularly lands at 1-2 ms from preemption alone. The clean-
+# link test therefore judges the lab against a 5 ms p99 limit; the 500 us default is
+# for the real link, and test_rtt_limit_is_enforced shows the limit does bite.
+LAB_RTT_P99_US = 5000
+
+
+@pytest.mark.netns
+def test_rtt_limit_is_enforced(lab, tmp_path):
+    _setup(lab)
+    prof = _profile_with_probe(lab, tmp_path, max_rtt_p99_us=1)  # no TCP round trip is < 1 us
+    with responder(lab, "dgx"):
+        r, data, _ = _probe(lab, "--profile", prof, "--no-throughput", "--samples", "200")
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    c = _check(data, "tcp rtt 1 B")
+    assert c["verdict"] == "FAIL" and c["threshold"] == 1
+    assert c["value"] == data["latency"]["tcp"]["1"]["p99_us"] > 1
+
+
+@pytest.mark.netns
 def test_clean_link_passes(lab, tmp_path):
     _setup(lab)
     prom = tmp_path / "linkctl.prom"
+    prof = _profile_with_probe(lab, tmp_path, max_rtt_p99_us=LAB_RTT_P99_US)
     with responder(lab, "dgx") as (_proc, info):
         assert info["iperf_running"] and info["address"] == lab.host("dgx")["address"][:-3]
-        r, data, _ = _probe(lab, "--prom", str(prom))
+        r, data, _ = _probe(lab, "--profile", prof, "--prom", str(prom))
     assert r.returncode == 0, (r.stdout, r.stderr)
     assert data["ok"] is True and data["exit_code"] == 0 and data["stopped"] is None
     # WARN is allowed: the derived large-size RTT limits only warn (noisy shared CPU).
@@ -537,14 +572,17 @@ def test_rpc_endpoint_reported_from_real_rpc_server(lab):
 
 
 @pytest.mark.netns
-def test_head_probes_every_rpc_host(make_lab):
+def test_head_probes_every_rpc_host(make_lab, tmp_path):
     need_tool("iperf3")
     lab = make_lab("dgx2-mac-switch")
     for h in ("dgx1", "dgx2", "mac"):
         r = lab.run(h, "setup")
         assert r.returncode == 0, r.stderr
+    prof = _profile_with_probe(lab, tmp_path, max_rtt_p99_us=LAB_RTT_P99_US)
     with responder(lab, "dgx1"), responder(lab, "dgx2"):
-        r = lab.run("mac", "probe", "--json", "--no-throughput", "--samples", "100")
+        r = lab.run(
+            "mac", "probe", "--profile", prof, "--json", "--no-throughput", "--samples", "100"
+        )
     assert r.returncode == 0, (r.stdout, r.stderr)
     data = json.loads(r.stdout)
     assert [d["peer"] for d in data] == ["dgx1", "dgx2"]
