@@ -8,7 +8,7 @@ interface (``linkctl.linux``, ``linkctl.macos``); callers ask for
 from __future__ import annotations
 
 import sys
-from typing import Protocol
+from typing import Any, Protocol
 
 from linkctl.errors import InputError
 from linkctl.netstate import LinkFacts, Route
@@ -32,6 +32,10 @@ class Backend(Protocol):
 
     def default_route(self) -> Route | None:
         """The IPv4 default route, or None."""
+
+    def ping_argv(self, address: str, **kw: Any) -> list[str]:
+        """argv for this OS's ping (linkctl.ping): size, count, timeout_s, interval_s,
+        dont_fragment. The probe runs it through ``runner``."""
 
     def plan_setup(self, profile: str, host: HostSpec, link: LinkSpec, facts: LinkFacts) -> Plan:
         """Changes that bring ``facts`` to what the profile wants; empty if nothing to do."""
