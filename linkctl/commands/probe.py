@@ -132,7 +132,9 @@ def register(app: typer.Typer) -> None:
         """Serve the probe's peer side on this host's link address: a TCP echo for
         latency and `iperf3 -s` for throughput. Runs until SIGTERM/Ctrl-C.
 
-        Example (on the rpc host, beside rpc-server):
+        The rpc host's boot service runs it beside rpc-server.
+
+        Example:
           linkctl responder --profile dgx-mac
         """
         import json
