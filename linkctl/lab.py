@@ -187,6 +187,16 @@ def _wire_wifi(lab: Lab) -> None:
             ipr.addr("add", index=idx, address=str(wifi.ip), prefixlen=24)
             ipr.link("set", index=idx, state="up")
             ipr.route("add", dst="0.0.0.0/0", gateway=h.gateway, oif=idx)
+    # veth operstate turns UP asynchronously; wait so the lab is settled when
+    # `lab up` returns (tests compare state before/after).
+    for h in lab.hosts:
+        with IPRoute(netns=h.netns) as ipr:
+            idx = ipr.link_lookup(ifname=WIFI_IF)[0]
+            deadline = time.monotonic() + 5
+            while (
+                ipr.get_links(idx)[0].get("IFLA_OPERSTATE") != "UP" and time.monotonic() < deadline
+            ):
+                time.sleep(0.02)
 
 
 def _wire_link(lab: Lab) -> None:

@@ -375,7 +375,7 @@ class LinuxBackend:
         elif change.action == "addr_add":
             ipr.addr("add", index=index, address=a["address"], prefixlen=a["prefixlen"])
         elif change.action == "addr_del":
-            ipr.addr("del", index=index, address=a["address"], prefixlen=a["prefixlen"])
+            _addr_del_keeping_others(ipr, index, change.target, a["address"], a["prefixlen"])
         else:
             raise ApplyError(f"unknown change action {change.action!r}")
 
@@ -393,5 +393,27 @@ class LinuxBackend:
         return ApplyError(f"{change.summary}: netlink error {text}: {e}")
 
 
-def subnet_of(cidr: str) -> ipaddress.IPv4Network:
-    return ipaddress.IPv4Interface(cidr).network
+def _addr_del_keeping_others(
+    ipr: IPRoute, index: int, ifname: str, address: str, prefixlen: int
+) -> None:
+    """Remove one address without taking others with it.
+
+    Linux deletes every secondary address of a subnet together with its primary
+    unless promote_secondaries is set; someone else's address in our subnet must
+    survive our teardown, so promote for the duration of the delete.
+    """
+    net = ipaddress.IPv4Interface(f"{address}/{prefixlen}").network
+    others = [
+        a
+        for a in ipr.get_addr(family=socket.AF_INET, index=index)
+        if a.get("IFA_ADDRESS") != address and ipaddress.IPv4Address(a.get("IFA_ADDRESS")) in net
+    ]
+    knob = Path(f"/proc/sys/net/ipv4/conf/{ifname}/promote_secondaries")
+    old = knob.read_text().strip() if others and knob.exists() else None
+    if old == "0":
+        knob.write_text("1")
+    try:
+        ipr.addr("del", index=index, address=address, prefixlen=prefixlen)
+    finally:
+        if old == "0":
+            knob.write_text("0")

@@ -23,7 +23,12 @@ def test_shipped_profiles_validate():
     assert two.head.name == "mac" and two.head.interface == "en0"
     dgx = two.host("dgx")
     assert (dgx.os, dgx.interface, str(dgx.address), dgx.role, dgx.rpc.port) == (
-        "linux", "enP7s7", "192.168.100.2/24", "rpc", 50052)
+        "linux",
+        "enP7s7",
+        "192.168.100.2/24",
+        "rpc",
+        50052,
+    )
     assert two.link.mtu == 9000 and two.serve.port == 9999 and two.serve.ctx == 4096
     assert two.serve.ngl == 99
     three, _ = load_profile(str(REPO / "profiles" / "dgx2-mac-switch.toml"))
@@ -52,6 +57,7 @@ def _set(path, value):
         for k in path[:-1]:
             cur = cur[k]
         cur[path[-1]] = value
+
     return f
 
 
@@ -61,6 +67,7 @@ def _delete(path):
         for k in path[:-1]:
             cur = cur[k]
         del cur[path[-1]]
+
     return f
 
 
@@ -68,6 +75,7 @@ def _both(*fns):
     def f(d):
         for fn in fns:
             fn(d)
+
     return f
 
 
@@ -80,26 +88,36 @@ BAD = [
     ("subnet-host-bits", _set(["link", "subnet"], "192.168.100.7/24"), "link.subnet"),
     ("subnet-not-ip", _set(["link", "subnet"], "banana"), "link.subnet"),
     ("subnet-too-wide", _set(["link", "subnet"], "10.0.0.0/8"), "link.subnet"),
-    ("address-outside-subnet", _set(["hosts", 0, "address"], "192.168.101.2/24"),
-     "hosts[0].address"),
+    (
+        "address-outside-subnet",
+        _set(["hosts", 0, "address"], "192.168.101.2/24"),
+        "hosts[0].address",
+    ),
     ("address-no-prefix", _set(["hosts", 0, "address"], "192.168.100.2"), "hosts[0].address"),
-    ("address-is-network", _set(["hosts", 0, "address"], "192.168.100.0/24"),
-     "hosts[0].address"),
-    ("address-is-broadcast", _set(["hosts", 0, "address"], "192.168.100.255/24"),
-     "hosts[0].address"),
+    ("address-is-network", _set(["hosts", 0, "address"], "192.168.100.0/24"), "hosts[0].address"),
+    (
+        "address-is-broadcast",
+        _set(["hosts", 0, "address"], "192.168.100.255/24"),
+        "hosts[0].address",
+    ),
     ("duplicate-address", _set(["hosts", 1, "address"], "192.168.100.2/24"), "hosts[1].address"),
     ("two-heads", _set(["hosts", 0, "role"], "head"), "hosts"),
     ("no-head", _set(["hosts", 1, "role"], "rpc"), "hosts"),
     ("unknown-role", _set(["hosts", 0, "role"], "worker"), "hosts[0].role"),
     ("unknown-os", _set(["hosts", 0, "os"], "windows"), "hosts[0].os"),
     ("missing-interface", _delete(["hosts", 0, "interface"]), "hosts[0].interface"),
-    ("bad-interface-name", _set(["hosts", 0, "interface"], "eth0; rm -rf /"),
-     "hosts[0].interface"),
-    ("interface-too-long", _set(["hosts", 0, "interface"], "averyverylongifname0"),
-     "hosts[0].interface"),
+    ("bad-interface-name", _set(["hosts", 0, "interface"], "eth0; rm -rf /"), "hosts[0].interface"),
+    (
+        "interface-too-long",
+        _set(["hosts", 0, "interface"], "averyverylongifname0"),
+        "hosts[0].interface",
+    ),
     ("wildcard-rpc-bind", _set(["hosts", 0, "rpc", "bind"], "0.0.0.0"), "hosts[0].rpc.bind"),
-    ("rpc-bind-other-address", _set(["hosts", 0, "rpc", "bind"], "192.168.1.50"),
-     "hosts[0].rpc.bind"),
+    (
+        "rpc-bind-other-address",
+        _set(["hosts", 0, "rpc", "bind"], "192.168.1.50"),
+        "hosts[0].rpc.bind",
+    ),
     ("rpc-port-zero", _set(["hosts", 0, "rpc", "port"], 0), "hosts[0].rpc.port"),
     ("rpc-port-too-big", _set(["hosts", 0, "rpc", "port"], 70000), "hosts[0].rpc.port"),
     ("serve-port-string", _set(["serve", "port"], "9999x"), "serve.port"),
@@ -110,7 +128,11 @@ BAD = [
     ("duplicate-name", _set(["hosts", 1, "name"], "dgx"), "hosts[1].name"),
     ("bad-host-name", _set(["hosts", 0, "name"], "DGX Spark!"), "hosts[0].name"),
     ("bad-mac", _set(["hosts", 0, "mac"], "zz:zz"), "hosts[0].mac"),
-    ("negative-throughput", _set(["probe", "min_throughput_gbps"], -1), "probe.min_throughput_gbps"),
+    (
+        "negative-throughput",
+        _set(["probe", "min_throughput_gbps"], -1),
+        "probe.min_throughput_gbps",
+    ),
     ("hosts-not-list", _set(["hosts"], "dgx,mac"), "hosts"),
     ("tensor-split-wrong-length", _set(["serve", "tensor_split"], [1, 2, 3]), "serve.tensor_split"),
     ("ctx-negative", _set(["serve", "ctx"], -4096), "serve.ctx"),
