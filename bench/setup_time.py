@@ -67,8 +67,11 @@ def main() -> None:
             run("mac", "teardown")
             ns = mac.netns
             t0 = time.perf_counter()
-            for cmd in (["link", "set", "en0", "mtu", "9000"], ["link", "set", "en0", "up"],
-                        ["addr", "add", mac.address, "dev", "en0"]):
+            for cmd in (
+                ["link", "set", "en0", "mtu", "9000"],
+                ["link", "set", "en0", "up"],
+                ["addr", "add", mac.address, "dev", "en0"],
+            ):
                 subprocess.run(["ip", "-n", ns, *cmd], check=True)
             ip_s.append(time.perf_counter() - t0)
             del dgx
@@ -79,7 +82,13 @@ def main() -> None:
 
     med = statistics.median
     rows = [
-        ("setup apply (3 changes, ARP probe incl.)", med(apply_s), med(ip_s), "ip link/addr x3", 1.0),
+        (
+            "setup apply (3 changes, ARP probe incl.)",
+            med(apply_s),
+            med(ip_s),
+            "ip link/addr x3",
+            1.0,
+        ),
         ("setup re-run, 0 changes (process wall)", med(rerun_s), None, "", 0.5),
         ("linkctl --help (process wall)", med(help_s), med(pass_s), "python -c pass", 0.3),
     ]
@@ -89,8 +98,10 @@ def main() -> None:
         ratio = f"{v / ref:6.1f}x" if ref else "      -"
         refs = f"{ref * 1000:7.1f} ms" if ref else "         -"
         ok = "ok" if v < target else "MISSED"
-        print(f"{label:44} {v * 1000:6.1f} ms {refs} {ratio} <{target * 1000:.0f} ms {ok}"
-              + (f"  (ref: {ref_name})" if ref_name else ""))
+        print(
+            f"{label:44} {v * 1000:6.1f} ms {refs} {ratio} <{target * 1000:.0f} ms {ok}"
+            + (f"  (ref: {ref_name})" if ref_name else "")
+        )
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import tomllib
+from pathlib import Path
 
 import pytest
 import tomli_w
@@ -27,7 +29,7 @@ def setup_json(lab, host, *extra):
 
 
 def variant(lab, tmp_path, name, fn):
-    data = tomllib.loads(open(lab.profile_path).read())
+    data = tomllib.loads(Path(lab.profile_path).read_text())
     fn(data)
     path = tmp_path / f"{name}.toml"
     path.write_text(tomli_w.dumps(data))
@@ -68,7 +70,8 @@ def test_setup_both_ends_then_traffic_passes(lab):
             lab.netns("dgx"),
             "python3",
             "-c",
-            "import socket; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1);"
+            "import socket; s=socket.socket();"
+            " s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1);"
             "s.bind(('198.18.100.2', 50999)); s.listen(1); print('ready', flush=True);"
             "c,_=s.accept(); c.sendall(c.recv(100).upper()); c.close()",
         ],
@@ -174,8 +177,20 @@ def refused(lab, host, profile_path, must_say):
     assert len(lines) == 1 and must_say in lines[0], r.stderr
     assert "Traceback" not in r.stderr
     for h in ("dgx", "mac"):
-        assert ns_snapshot(lab.netns(h)) == before[h], h
+        assert settled_snapshot(lab.netns(h), before[h]) == before[h], h
     return lines[0]
+
+
+def settled_snapshot(netns, expected, within_s=3.0):
+    # The kernel applies carrier changes to the *peer's* routes (the `linkdown` flag)
+    # from its linkwatch work queue, up to a second after our own link goes back down;
+    # poll briefly so the comparison sees the settled state, not the in-flight one.
+    deadline = time.monotonic() + within_s
+    snap = ns_snapshot(netns)
+    while snap != expected and time.monotonic() < deadline:
+        time.sleep(0.1)
+        snap = ns_snapshot(netns)
+    return snap
 
 
 def test_refuses_missing_interface(lab, tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import tomllib
+from pathlib import Path
 
 import pytest
 import tomli_w
@@ -165,7 +166,7 @@ def test_not_toml_and_missing_file(tmp_path):
 def test_bad_profiles_change_nothing_in_the_lab(lab, tmp_path):
     """Every bad profile given to `setup` inside a lab host: exit 2, one line naming
     the field, and the namespace's network state byte-for-byte as before."""
-    lab_data = tomllib.loads(open(lab.profile_path).read())
+    lab_data = tomllib.loads(Path(lab.profile_path).read_text())
     before = ns_snapshot(lab.netns("dgx"))
     for case, mutation, field in BAD:
         d = copy.deepcopy(lab_data)
