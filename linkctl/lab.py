@@ -15,10 +15,12 @@ import contextlib
 import ipaddress
 import json
 import os
+import re
 import shutil
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -90,7 +92,8 @@ def remap_subnet(profile: Profile) -> ipaddress.IPv4Network:
 
 
 def remap_profile(profile: Profile) -> Profile:
-    """The same profile with every link address moved into the lab subnet (host part kept)."""
+    """The same profile with every link address moved into the lab subnet (host part
+    kept) and every device the CPU."""
     old, new = profile.link.subnet, remap_subnet(profile)
     data = profile.to_toml_dict()
     data["name"] = f"{profile.name}-lab"
@@ -101,6 +104,8 @@ def remap_profile(profile: Profile) -> Profile:
         offset = int(ip.ip) - int(old.network_address)
         h["address"] = f"{new.network_address + offset}/{new.prefixlen}"
         h.pop("mac", None)  # the namespaces have their own MACs
+        # Every lab host is this machine's CPU running the CPU build of llama.cpp.
+        h["device"] = "cpu"
         h["rpc"].pop("bind", None)
     return parse_profile(data, "lab profile")
 
@@ -275,6 +280,51 @@ def down(name: str = "lab") -> list[str]:
         shutil.rmtree(root)
         removed.append(str(root))
     return removed
+
+
+@contextlib.contextmanager
+def inside(netns_name: str) -> Iterator[None]:
+    """Sockets this thread opens inside the block belong to ``netns_name`` (setns on
+    the calling thread; restored on exit, also on an exception or Ctrl-C)."""
+    from pyroute2 import netns
+
+    netns.pushns(netns_name)
+    try:
+        yield
+    finally:
+        netns.popns()
+
+
+def parse_rate(text: str) -> int:
+    """``--rate`` as bits/s: a number with kbit, mbit or gbit (tc's spelling)."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmg]?)bit", text.strip().lower())
+    bps = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)] if m else 0
+    if not 1e6 <= bps <= 100e9:
+        raise InputError(
+            f"--rate {text!r} is not a rate between 1mbit and 100gbit",
+            "write it as tc does, e.g. --rate 1gbit or --rate 500mbit",
+        )
+    return int(bps)
+
+
+def shape(lab: Lab, rate_bps: int) -> None:
+    """A tbf qdisc on every host's link port: each direction of the link is held to
+    ``rate_bps``. The burst covers one kernel tick (250 Hz) at that rate."""
+    from pyroute2 import NetNS
+
+    burst = max(64 * 1024, rate_bps // 8 // 250)
+    for h in lab.hosts:
+        with NetNS(h.netns) as ns:
+            idx = ns.link_lookup(ifname=h.interface)[0]
+            ns.tc(
+                "add",
+                "tbf",
+                index=idx,
+                handle="1:",
+                rate=rate_bps // 8,
+                burst=burst,
+                latency="50ms",
+            )
 
 
 def exec_argv(lab: Lab, host: str, argv: list[str]) -> tuple[list[str], dict[str, str]]:

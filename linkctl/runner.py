@@ -54,6 +54,7 @@ class Runner:
         timeout: float = DEFAULT_TIMEOUT,
         check: bool = True,
         input: str | None = None,
+        env: dict[str, str] | None = None,
     ) -> Result:
         argv = tuple(str(a) for a in argv)
         self.history.append(argv)
@@ -65,6 +66,7 @@ class Runner:
                 timeout=timeout,
                 input=input,
                 check=False,
+                env=env,
             )
         except FileNotFoundError:
             raise InputError(

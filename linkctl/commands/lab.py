@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated
 
 import typer
@@ -91,6 +92,119 @@ def lab_exec(
     argv, env = lab.exec_argv(lab.load_lab(name), host, list(ctx.args))
     # Passthrough: the command talks to the user's terminal directly.
     raise typer.Exit(subprocess.call(argv, env=env))
+
+
+@lab_app.command("demo")
+def lab_demo(
+    profile: ProfileOpt = None,
+    delay_ms: Annotated[
+        float,
+        typer.Option("--delay-ms", help="Extra one-way delay on the RPC path (delay proxy)."),
+    ] = 0.0,
+    rate: Annotated[
+        str | None,
+        typer.Option("--rate", help="Shape each direction of the link with tbf, e.g. 1gbit."),
+    ] = None,
+    tokens: Annotated[int, typer.Option("--tokens", help="Tokens per timed completion.")] = 64,
+    runs: Annotated[int, typer.Option("--runs", help="Timed completions (best is kept).")] = 3,
+    threads: Annotated[
+        int, typer.Option("--threads", help="CPU threads for rpc-server and llama-server.")
+    ] = 1,
+    name: NameOpt = "demo",
+    json_: JsonOpt = False,
+) -> None:
+    """The whole path in namespaces: setup, probe, estimate, serve, a real completion.
+
+    Brings up a lab for the profile, configures every host with `setup`, runs the
+    responder and `probe`, writes a tiny GGUF, calibrates, runs `estimate`, starts
+    rpc-server and llama-server with `serve`, times real completions, tears it all
+    down (also on Ctrl-C or failure) and prints predicted vs measured decode
+    tokens/s. Needs root and the llama.cpp build (scripts/build-llama.sh).
+
+    Examples:
+      linkctl lab demo
+      linkctl lab demo --profile dgx2-mac-switch --json
+      linkctl lab demo --rate 1gbit --delay-ms 0.5
+    """
+    from linkctl.demo import Demo, DemoOptions
+
+    prof, _ = load(profile)
+    opts = DemoOptions(
+        name=name, delay_ms=delay_ms, rate=rate, tokens=tokens, runs=runs, threads=threads
+    )
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    try:
+        report = Demo(prof, opts, say=say).run()
+    except KeyboardInterrupt:
+        print("interrupted: lab stopped and removed", file=sys.stderr)
+        raise typer.Exit(130) from None
+    if json_:
+        print_json(report)
+    else:
+        render_demo(report)
+
+
+def render_demo(r: dict) -> None:
+    """The demo's final report as text."""
+    out = console.print
+    sh = r["shaping"]
+    shaped = ", ".join(
+        x
+        for x in (
+            f"tbf {sh['rate_bps'] / 1e9:g} Gbit/s" if sh["rate_bps"] else "",
+            f"+{sh['delay_ms']:g} ms one way on RPC" if sh["delay_ms"] else "",
+        )
+        if x
+    )
+    out(
+        f"linkctl lab demo: profile {r['profile']} in lab {r['lab']['name']!r} "
+        f"({r['lab']['subnet']}){'; ' + shaped if shaped else ''}",
+        markup=False,
+    )
+    for lk in r["link"]:
+        out(
+            f"  link    head -> {lk['peer']}: path MTU {lk['path_mtu']}, TCP RTT p50 "
+            f"{lk['rtt_p50_us']:.0f} µs p99 {lk['rtt_p99_us']:.0f} µs, RPC RTT p50 "
+            f"{lk.get('rpc_rtt_p50_us', float('nan')):.0f} µs, {lk['throughput_gbps']:.1f} / "
+            f"{lk['throughput_rev_gbps']:.1f} Gbit/s (1 stream, each way), "
+            f"{'PASS' if lk['ok'] else 'FAIL'}",
+            markup=False,
+        )
+    m = r["model"]
+    out(f"  model   tiny llama, {m['n_layer']} layers, {m['bytes'] / 1e6:.0f} MB F32", markup=False)
+    for host, c in r["calibration"].items():
+        out(
+            f"  calib   {host}: {c['decode_tok_s']:.1f} tok/s alone = "
+            f"{c['effective_bandwidth_gbs']:.2f} GB/s effective",
+            markup=False,
+        )
+    p, me = r["predicted"], r["measured"]
+    out(
+        f"  decode  predicted {p['split_decode_tok_s']:.1f} tok/s split, measured "
+        f"{me['split_decode_tok_s']:.1f} tok/s (best of {len(me['runs_tok_s'])}, median "
+        f"{me['median_decode_tok_s']:.1f}; {me['tokens_generated']} tokens generated): "
+        f"error {r['error_pct']:+.1f}%",
+        markup=False,
+    )
+    out(
+        f"  network {p['network_per_token_us']:.0f} µs per token "
+        f"({p['network_per_layer_us']:.1f} µs per layer) at RTT {p['rtt_us']:.0f} µs",
+        markup=False,
+    )
+    out(
+        f"  advice  {p['recommendation']}: {p['reason']} "
+        f"(local only predicted {p['local_decode_tok_s']:.1f} tok/s)",
+        markup=False,
+    )
+    left = r.get("left_behind") or []
+    out(
+        f"  cleanup {'nothing left behind' if not left else 'LEFT BEHIND: ' + ', '.join(left)}; "
+        f"total {r['total_s']:.0f} s",
+        markup=False,
+    )
 
 
 def register(app: typer.Typer) -> None:
