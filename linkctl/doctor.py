@@ -1,0 +1,599 @@
+"""doctor: one read-only pass over everything that must be true before `linkctl serve`.
+
+Each check is one ``Line`` (PASS / WARN / FAIL, or SKIP when a check it depends on
+failed) with the fix for WARN and FAIL. The checks reuse the code that acts on the
+same facts, so doctor and the real commands cannot disagree:
+
+    profile          linkctl.profile (load_profile)
+    host             linkctl.link.identify_host
+    interface, speed, duplex, address, mtu, default route
+                     linkctl.link.status (the backend's link_facts and the drift rules)
+    peer <name>      linkctl.probe.peer.check_peer (ARP who-has, pinned MAC)
+    llama binaries, rpc protocol, rpc <name>
+                     linkctl.llama (find_bins, local_rpc_protocol, compatible), linkctl.rpc
+    services         linkctl.service.status
+    probe report     linkctl.serve.probe_gate (head) / probe_reports (rpc host)
+
+Doctor changes nothing on the network. What it sends: an ARP who-has for each peer's
+link address, out of the link interface only; from the head, one TCP connection with
+an RPC HELLO to each rpc host's rpc-server endpoint (its link address). Learning the
+local build's RPC protocol starts that build's rpc-server on 127.0.0.1 for a moment
+(cached per binary by linkctl.llama). No platform branches here: every network fact
+comes through the Backend protocol, so the macOS backend answers the same questions.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from linkctl.backend import Backend
+from linkctl.errors import CheckFailed, InputError
+from linkctl.netstate import LinkStatus
+from linkctl.profile import HostSpec, Profile
+
+Verdict = Literal["PASS", "WARN", "FAIL", "SKIP"]
+SETUP_FIX = "linkctl setup"
+PROBE_FIX = "linkctl probe"
+DEFAULT_PEER_TIMEOUT_S = 2.0
+
+
+@dataclass
+class Line:
+    """One check's result."""
+
+    check: str
+    verdict: Verdict
+    value: Any = None
+    detail: str = ""
+    fix: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class DoctorResult:
+    lines: list[Line] = field(default_factory=list)
+    # 2 when the input itself is bad (profile invalid, host not identifiable): the
+    # remaining checks are not run at all.
+    bad_input: bool = False
+    profile: str | None = None
+    host: str | None = None
+    role: str | None = None
+    os_name: str | None = None
+    elapsed_s: float = 0.0
+
+    def add(self, *args: Any, **kw: Any) -> Line:
+        line = Line(*args, **kw)
+        self.lines.append(line)
+        return line
+
+    def get(self, check: str) -> Line | None:
+        return next((ln for ln in self.lines if ln.check == check), None)
+
+    @property
+    def exit_code(self) -> int:
+        if self.bad_input:
+            return 2
+        return 1 if any(ln.verdict == "FAIL" for ln in self.lines) else 0
+
+    def as_json(self) -> list[dict[str, Any]]:
+        return [ln.as_dict() for ln in self.lines]
+
+
+def _speed(mbps: int) -> str:
+    from linkctl.probe.nic import _speed as fmt
+
+    return fmt(mbps)
+
+
+# ---- 1-2: profile and host ---------------------------------------------------------------
+
+
+def check_profile(res: DoctorResult, profile_arg: str | None) -> Profile | None:
+    from linkctl.commands.common import load
+
+    try:
+        prof, path = load(profile_arg)
+    except InputError as e:
+        res.add("profile", "FAIL", profile_arg, e.message, e.fix)
+        res.bad_input = True
+        return None
+    res.profile = prof.name
+    res.add(
+        "profile",
+        "PASS",
+        prof.name,
+        f"{prof.name} ({path}): {len(prof.hosts)} hosts, "
+        f"link {prof.link.subnet} MTU {prof.link.mtu}, "
+        f"expects {_speed(prof.link.expected_speed_mbps)}",
+    )
+    return prof
+
+
+def check_host(
+    res: DoctorResult, prof: Profile, backend: Backend, host_arg: str | None
+) -> HostSpec | None:
+    from linkctl.link import identify_host
+
+    if host_arg:
+        how = "from --host"
+    elif os.environ.get("LINKCTL_HOST"):
+        how = "from LINKCTL_HOST"
+    else:
+        how = f"detected: the one {backend.os_name} host whose interface exists here"
+    try:
+        host = identify_host(prof, backend, host_arg)
+    except InputError as e:
+        res.add("host", "FAIL", host_arg or os.environ.get("LINKCTL_HOST"), e.message, e.fix)
+        res.bad_input = True
+        return None
+    res.host, res.role, res.os_name = host.name, host.role, backend.os_name
+    note = "" if host.os == backend.os_name else f"; profile says {host.os}"
+    res.add(
+        "host",
+        "PASS",
+        host.name,
+        f"{host.name} ({host.role}, {host.interface}, {host.address}) {how}; "
+        f"this machine runs {backend.os_name}{note}",
+    )
+    return host
+
+
+# ---- 3-5: interface, address, MTU, default route (link.status) ----------------------------
+
+
+def check_link(
+    res: DoctorResult, prof: Profile, host: HostSpec, backend: Backend
+) -> LinkStatus | None:
+    """Lines for the interface, speed, duplex, address, MTU and default route.
+    Returns the status (None when the interface does not exist)."""
+    from linkctl.link import status
+
+    ifname = host.interface
+    try:
+        st = status(prof, host, backend)
+    except InputError as e:
+        res.add(
+            "interface",
+            "FAIL",
+            ifname,
+            e.message,
+            e.fix or "name this machine's direct-link port in the profile (hosts.interface)",
+        )
+        for name in ("speed", "duplex", "address", "mtu"):
+            res.add(name, "SKIP", None, f"{ifname} does not exist")
+        _default_route_line(res, host, backend.default_route())
+        return None
+    facts = st.facts
+    drift = {d.field: d for d in st.drift}
+
+    if not facts.up:
+        res.add("interface", "FAIL", "down", f"{ifname} is administratively down", SETUP_FIX)
+    elif not facts.carrier:
+        res.add(
+            "interface",
+            "FAIL",
+            "no carrier",
+            f"{ifname} is up but has no carrier (cable unplugged or the peer's port down)",
+            "check the cable, and run `linkctl setup` on the peer",
+        )
+    else:
+        res.add("interface", "PASS", "up", f"{ifname} up, carrier, MAC {facts.mac}")
+
+    link = prof.link
+    want = link.expected_speed_mbps
+    if not facts.carrier:
+        res.add("speed", "SKIP", None, "no carrier: no negotiated speed")
+        res.add("duplex", "SKIP", None, "no carrier: no negotiated duplex")
+    else:
+        if facts.speed_mbps is None:
+            res.add(
+                "speed",
+                "WARN",
+                None,
+                f"the OS does not report {ifname}'s speed (profile expects {_speed(want)})",
+                "measure it instead: `linkctl probe`",
+            )
+        elif "speed_mbps" in drift:
+            res.add(
+                "speed",
+                "WARN",
+                facts.speed_mbps,
+                f"{ifname} negotiated {_speed(facts.speed_mbps)}, profile expects {_speed(want)}",
+                "check the cable (CAT6A for 10GBASE-T) and both ports' autonegotiation",
+            )
+        else:
+            got = f"{_speed(facts.speed_mbps)} (want {_speed(want)})"
+            res.add("speed", "PASS", facts.speed_mbps, got)
+        if facts.duplex == "half":
+            res.add(
+                "duplex",
+                "FAIL",
+                "half",
+                f"{ifname} is at half duplex: autonegotiation failed",
+                "check the cable and set both ports to autonegotiate",
+            )
+        elif facts.duplex is None:
+            res.add("duplex", "SKIP", None, "the OS does not report duplex")
+        else:
+            res.add("duplex", "PASS", facts.duplex)
+
+    have = list(facts.addresses)
+    if "address" in drift:
+        res.add(
+            "address",
+            "FAIL",
+            have,
+            f"{ifname} lacks {host.address} (has: {', '.join(have) or 'no IPv4 address'})",
+            SETUP_FIX,
+        )
+    elif "other_addresses" in drift:
+        extra = drift["other_addresses"].have
+        res.add(
+            "address",
+            "WARN",
+            have,
+            f"{ifname} has {host.address} and also {', '.join(extra)}",
+            f"remove the other addresses from {ifname} (another profile's setup? "
+            "`linkctl teardown --profile THAT`)",
+        )
+    else:
+        res.add("address", "PASS", str(host.address), f"on {ifname}")
+
+    if "mtu" in drift:
+        res.add(
+            "mtu",
+            "FAIL",
+            facts.mtu,
+            f"{ifname} MTU is {facts.mtu}, profile wants {link.mtu}",
+            SETUP_FIX,
+        )
+    else:
+        res.add("mtu", "PASS", facts.mtu, f"as profiled ({link.mtu})")
+
+    _default_route_line(res, host, st.default_route)
+    return st
+
+
+def _default_route_line(res: DoctorResult, host: HostSpec, default: Any) -> None:
+    if default is None:
+        res.add(
+            "default route",
+            "WARN",
+            None,
+            "no default route: this machine has no uplink (WiFi down?)",
+            "connect the uplink (WiFi); the link itself does not need it",
+        )
+    elif default.ifname == host.interface:
+        res.add(
+            "default route",
+            "FAIL",
+            default.ifname,
+            f"the default route (via {default.gateway}) goes out of the link port {host.interface}",
+            "give the link port a static address without a router (`linkctl setup`) "
+            "and let the uplink (WiFi) keep the default route",
+        )
+    else:
+        res.add(
+            "default route",
+            "PASS",
+            default.ifname,
+            f"via {default.gateway} dev {default.ifname}, not the link",
+        )
+
+
+# ---- 6: peers answer ARP ---------------------------------------------------------------------
+
+
+def check_peers(
+    res: DoctorResult,
+    prof: Profile,
+    host: HostSpec,
+    st: LinkStatus | None,
+    timeout_s: float,
+) -> dict[str, bool]:
+    """ARP every other profile host (probe's check_peer); {peer name: answered}."""
+    from linkctl.probe.peer import check_peer
+    from linkctl.probe.report import ProbeReport
+
+    answered: dict[str, bool] = {}
+    why_not = None
+    if st is None:
+        why_not = f"{host.interface} does not exist"
+    elif not (st.facts.up and st.facts.carrier):
+        why_not = f"{host.interface} is down or has no carrier"
+    elif not st.facts.has_address(str(host.address)):
+        why_not = f"{host.interface} lacks {host.address} (ARP is sent from it)"
+    for peer in prof.peers_of(host.name):
+        name = f"peer {peer.name}"
+        answered[peer.name] = False
+        if why_not:
+            res.add(name, "SKIP", None, why_not)
+            continue
+        scratch = ProbeReport(prof.name, host.name, peer.name, peer.ip)
+        try:
+            ok = check_peer(scratch, host, peer, timeout_s)
+        except InputError as e:
+            res.add(name, "FAIL", None, e.message, e.fix)
+            continue
+        c = scratch.checks[-1]
+        if ok:
+            answered[peer.name] = True
+            res.add(
+                name,
+                "PASS",
+                c.value,
+                f"{peer.ip} answers ARP in {scratch.arp.get('elapsed_ms')} ms; {c.detail}",
+            )
+            continue
+        if c.name == "peer mac":
+            fix = (
+                f"check which machine is on the cable, or update hosts.mac of {peer.name} "
+                "in the profile"
+            )
+        elif isinstance(c.value, list):
+            fix = f"find the other device that holds {peer.ip} on the segment"
+        elif "permission" in c.detail:
+            fix = "run as root or grant CAP_NET_RAW"
+        else:
+            fix = f"power {peer.name} on, check the cable, run `linkctl setup` on {peer.name}"
+        res.add(name, "FAIL", c.value, scratch.stopped or c.detail, fix)
+    return answered
+
+
+# ---- 7: llama.cpp binaries and RPC protocol ------------------------------------------------
+
+
+def check_llama(
+    res: DoctorResult,
+    prof: Profile,
+    host: HostSpec,
+    answered: dict[str, bool],
+    timeout_s: float,
+    hello: Callable[..., tuple[int, int, int]] | None = None,
+) -> None:
+    from linkctl import llama, rpc
+
+    hello = hello or rpc.hello
+    bins = llama.find_bins(host.llama_bin_dir)
+    role_bin = "rpc-server" if host.role == "rpc" else "llama-server"
+    try:
+        mine = bins.need(role_bin)
+    except InputError as e:
+        res.add("llama binaries", "FAIL", None, f"{host.role} host: {e.message}", e.fix)
+        mine = None
+    if mine:
+        versions = [
+            f"{Path(b.path).name} {(b.version or 'version unknown').removeprefix('version: ')} "
+            f"at {b.path} (via {b.found_via})"
+            for b in (bins.llama_server, bins.rpc_server)
+            if b
+        ]
+        res.add("llama binaries", "PASS", mine.path, "; ".join(versions))
+
+    local: tuple[int, int, int] | None = None
+    if bins.rpc_server is None:
+        res.add(
+            "rpc protocol",
+            "FAIL" if host.role == "rpc" else "WARN",
+            None,
+            "no ggml-rpc-server in this build: its RPC protocol version cannot be learned",
+            "build llama.cpp with -DGGML_RPC=ON (scripts/build-llama.sh)",
+        )
+    else:
+        try:
+            local = llama.local_rpc_protocol(bins, timeout=10.0)
+            res.add(
+                "rpc protocol",
+                "PASS",
+                rpc.version_str(local),
+                f"RPC protocol {rpc.version_str(local)} of the local build "
+                f"({Path(bins.rpc_server.path).name}, HELLO on 127.0.0.1)",
+            )
+        except InputError as e:
+            res.add("rpc protocol", "FAIL", None, e.message, e.fix)
+
+    if host.role != "head":
+        return
+    for peer in prof.rpc_hosts:
+        name = f"rpc {peer.name}"
+        where = peer.rpc_endpoint
+        if not answered.get(peer.name):
+            res.add(name, "SKIP", None, f"peer {peer.name} did not answer ARP")
+            continue
+        if local is None:
+            res.add(name, "SKIP", None, "the local RPC protocol version is unknown")
+            continue
+        try:
+            theirs = hello(peer.rpc_bind, peer.rpc.port, timeout=timeout_s)
+        except rpc.RpcBusy:
+            res.add(
+                name,
+                "WARN",
+                None,
+                f"{where}: busy (llama-server connected): it answers one client at a time",
+                "nothing to do if that llama-server is yours; else stop it and re-run doctor",
+            )
+            continue
+        except rpc.RpcNoHello as e:
+            res.add(name, "FAIL", None, e.message, e.fix)
+            continue
+        except InputError as e:
+            if "refused" in e.message:
+                res.add(
+                    name,
+                    "SKIP",
+                    None,
+                    f"nothing listens on {where} yet (start it: `linkctl serve` on {peer.name})",
+                )
+            else:
+                res.add(name, "FAIL", None, e.message, e.fix)
+            continue
+        if llama.compatible(local, theirs):
+            res.add(
+                name,
+                "PASS",
+                rpc.version_str(theirs),
+                f"{where} speaks RPC {rpc.version_str(theirs)}, compatible with this "
+                f"head's {rpc.version_str(local)}",
+            )
+        else:
+            res.add(
+                name,
+                "FAIL",
+                rpc.version_str(theirs),
+                f"{where} speaks RPC {rpc.version_str(theirs)}, this head's build speaks "
+                f"{rpc.version_str(local)}: llama-server would refuse it",
+                f"build the same llama.cpp release on {peer.name} and here "
+                "(scripts/build-llama.sh)",
+            )
+
+
+# ---- 8: services ---------------------------------------------------------------------------
+
+
+def check_services(
+    res: DoctorResult, prof: Profile, host: HostSpec, profile_arg: str, root: Path
+) -> None:
+    from linkctl import service as svc
+
+    install = f"sudo linkctl service install --profile {profile_arg} --host {host.name}"
+    st = svc.status(root=root)
+    if not st.installed:
+        res.add("services", "WARN", None, f"boot services not installed in {root}", install)
+        return
+    if (st.profile, st.host) != (prof.name, host.name):
+        res.add(
+            "services",
+            "WARN",
+            f"{st.profile}/{st.host}",
+            f"the installed services are for {st.profile}/{st.host}, not {prof.name}/{host.name}",
+            install,
+        )
+        return
+    bad_files = [f"{f['path']} {f['state']}" for f in st.files if f["state"] != "ok"]
+    down = [f"{s['name']} {s.get('active')}" for s in st.services if not s.get("ok", True)]
+    if bad_files:
+        res.add(
+            "services",
+            "WARN",
+            st.manager,
+            "installed, but " + "; ".join(bad_files),
+            f"re-install: {install}",
+        )
+    elif down:
+        res.add(
+            "services",
+            "WARN",
+            st.manager,
+            "installed, not running: " + "; ".join(down),
+            "see `linkctl service status` and the service logs",
+        )
+    else:
+        names = ", ".join(s["name"] for s in st.services) or "files only"
+        res.add("services", "PASS", st.manager, f"{st.manager}: {names}")
+
+
+# ---- 9: probe report ---------------------------------------------------------------------
+
+
+def check_probe_report(
+    res: DoctorResult, prof: Profile, host: HostSpec, now: float | None = None
+) -> None:
+    from linkctl.serve import PROBE_MAX_AGE_S, _parse_time, probe_gate, probe_reports
+
+    now = now or time.time()
+    if host.role == "head":
+        # The very gate `linkctl serve` applies on the head.
+        try:
+            lines = probe_gate(prof, host, now=now)
+        except CheckFailed as e:
+            res.add("probe report", "WARN", None, e.message, PROBE_FIX)
+            return
+        res.add("probe report", "PASS", len(lines), "; ".join(lines))
+        return
+    # An rpc host probes the head; serve does not gate on it, doctor still asks.
+    head = prof.head
+    mine = []
+    for path, r in probe_reports():
+        t = _parse_time(r.get("time"))
+        if r.get("profile") == prof.name and r.get("peer") == head.name and t is not None:
+            mine.append((t, path, r))
+    if not mine:
+        res.add(
+            "probe report",
+            "WARN",
+            None,
+            f"no probe report from {host.name} to {head.name} for profile {prof.name}",
+            PROBE_FIX,
+        )
+        return
+    t, path, r = max(mine, key=lambda x: x[0])
+    age = now - t
+    if not r.get("ok"):
+        failed = [c.get("name", "?") for c in r.get("checks", []) if c.get("verdict") == "FAIL"]
+        res.add(
+            "probe report",
+            "WARN",
+            path.name,
+            f"latest probe report {path} failed ({', '.join(failed) or r.get('stopped')})",
+            f"fix the link, then {PROBE_FIX}",
+        )
+    elif age > PROBE_MAX_AGE_S:
+        res.add(
+            "probe report",
+            "WARN",
+            path.name,
+            f"latest probe report {path} is {age / 3600:.1f} h old "
+            f"(limit {PROBE_MAX_AGE_S / 3600:g} h)",
+            PROBE_FIX,
+        )
+    else:
+        res.add("probe report", "PASS", path.name, f"{path.name}: ok, {age:.0f} s old")
+
+
+# ---- the pass ---------------------------------------------------------------------------------
+
+
+def run(
+    profile_arg: str | None = None,
+    host_arg: str | None = None,
+    *,
+    backend: Backend | None = None,
+    peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S,
+    service_root: Path = Path("/"),
+    hello: Callable[..., tuple[int, int, int]] | None = None,
+    now: float | None = None,
+) -> DoctorResult:
+    """Every check, in order. Never raises for what it finds: bad input is a FAIL line
+    with ``bad_input`` set (exit 2), everything else a line."""
+    from linkctl.backend import get_backend
+
+    t0 = time.perf_counter()
+    res = DoctorResult()
+    prof = check_profile(res, profile_arg)
+    if prof is None:
+        return res
+    try:
+        backend = backend or get_backend()
+    except InputError as e:
+        res.add("host", "FAIL", None, e.message, e.fix)
+        res.bad_input = True
+        return res
+    host = check_host(res, prof, backend, host_arg)
+    if host is None:
+        return res
+    st = check_link(res, prof, host, backend)
+    answered = check_peers(res, prof, host, st, peer_timeout_s)
+    check_llama(res, prof, host, answered, peer_timeout_s, hello)
+    shown = profile_arg or os.environ.get("LINKCTL_PROFILE") or prof.name
+    check_services(res, prof, host, shown, service_root)
+    check_probe_report(res, prof, host, now)
+    res.elapsed_s = time.perf_counter() - t0
+    return res
