@@ -1,0 +1,369 @@
+"""linkctl doctor: the real CLI in lab namespaces (before/after setup, three hosts, real and
+stand-in rpc-servers), the check logic against the macOS replay runner, and the
+probe-report and service lines against real files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import linkctl, ns_snapshot
+from llama_util import need_llama, start_fake, stop
+
+from linkctl import doctor
+from linkctl.probe import report as probe_report
+from linkctl.profile import load_profile
+
+KEYS = {"check", "verdict", "value", "detail", "fix"}
+NET = ("interface", "speed", "duplex", "address", "mtu", "default route")
+
+
+def run_doctor(lab, host: str, *extra: str) -> tuple[subprocess.CompletedProcess, dict, list]:
+    r = lab.run(host, "doctor", "--json", "--peer-timeout", "1", *extra, timeout=60)
+    assert r.returncode in (0, 1), r.stderr
+    assert "Traceback" not in r.stderr
+    lines = json.loads(r.stdout)
+    return r, {ln["check"]: ln for ln in lines}, lines
+
+
+def check_shape(lines: list[dict], returncode: int) -> None:
+    for ln in lines:
+        assert set(ln) == KEYS, ln
+        assert ln["verdict"] in ("PASS", "WARN", "FAIL", "SKIP"), ln
+        if ln["verdict"] in ("FAIL", "WARN"):
+            assert ln["fix"], f"{ln['check']} {ln['verdict']} without a fix"
+        json.dumps(ln)
+    assert returncode == (1 if any(ln["verdict"] == "FAIL" for ln in lines) else 0)
+
+
+def verdicts(by: dict, *names: str) -> dict[str, str]:
+    return {n: by[n]["verdict"] for n in names}
+
+
+def snapshots(lab, hosts) -> dict:
+    return {h: ns_snapshot(lab.netns(h)) for h in hosts}
+
+
+# ---- the lab: two hosts ---------------------------------------------------------------------
+
+
+def test_before_and_after_setup_and_doctor_changes_nothing(lab, tmp_path):
+    hosts = ("dgx", "mac")
+    before = snapshots(lab, hosts)
+    r, by, lines = run_doctor(lab, "dgx", "--service-root", str(tmp_path))
+    check_shape(lines, r.returncode)
+    assert r.returncode == 1
+    order = [ln["check"] for ln in lines]
+    assert order[:8] == ["profile", "host", *NET]
+    assert order[8:] == ["peer mac", "llama binaries", "rpc protocol", "services", "probe report"]
+    assert by["host"]["value"] == "dgx" and "LINKCTL_HOST" in by["host"]["detail"]
+    assert (by["address"]["verdict"], by["address"]["fix"]) == ("FAIL", "linkctl setup")
+    assert (by["interface"]["verdict"], by["interface"]["fix"]) == ("FAIL", "linkctl setup")
+    assert (by["mtu"]["verdict"], by["mtu"]["value"]) == ("FAIL", 1500)
+    assert verdicts(by, "speed", "duplex", "peer mac") == dict.fromkeys(
+        ("speed", "duplex", "peer mac"), "SKIP"
+    )
+    assert by["default route"]["verdict"] == "PASS" and by["default route"]["value"] == "wlan0"
+    assert by["services"]["verdict"] == "WARN"
+    assert "linkctl service install" in by["services"]["fix"]
+    assert (by["probe report"]["verdict"], by["probe report"]["fix"]) == ("WARN", "linkctl probe")
+    # The same in text: one line per check, the fix on the FAIL line.
+    t = lab.run("dgx", "doctor", "--peer-timeout", "1", "--service-root", str(tmp_path))
+    assert t.returncode == 1
+    address = next(x for x in t.stdout.splitlines() if x.split()[:2] == ["FAIL", "address"])
+    assert address.endswith("fix: linkctl setup")
+    assert snapshots(lab, hosts) == before, "doctor changed the namespaces"
+
+    for h in hosts:
+        s = lab.run(h, "setup")
+        assert s.returncode == 0, s.stderr
+    configured = snapshots(lab, hosts)
+    for me, peer in (("dgx", "mac"), ("mac", "dgx")):
+        r, by, lines = run_doctor(lab, me, "--service-root", str(tmp_path))
+        check_shape(lines, r.returncode)
+        want = ("interface", "address", "mtu", "default route", f"peer {peer}", "speed", "duplex")
+        assert verdicts(by, *want) == dict.fromkeys(want, "PASS"), lines
+        assert by["mtu"]["value"] == 9000
+        assert by["address"]["value"] == lab.host(me)["address"]
+        assert by[f"peer {peer}"]["value"] == mac_of(lab, peer)
+        assert by["default route"]["value"] == "wlan0"
+    # From the head (the last run), the rpc host's rpc-server: nothing listens yet.
+    assert by["rpc dgx"]["verdict"] == "SKIP"
+    if by["rpc protocol"]["verdict"] == "PASS":
+        assert "nothing listens on 198.18.100.2:50052" in by["rpc dgx"]["detail"]
+    assert snapshots(lab, hosts) == configured, "doctor changed the namespaces"
+
+
+def mac_of(lab, host: str) -> str:
+    iface = lab.host(host)["interface"]
+    out = subprocess.run(
+        ["ip", "-n", lab.netns(host), "-j", "link", "show", iface],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return json.loads(out)[0]["address"]
+
+
+def test_bad_profile_is_one_line_and_exit_2(tmp_path):
+    bad = tmp_path / "bad.toml"
+    text = (Path(__file__).parent.parent / "profiles" / "dgx-mac.toml").read_text()
+    bad.write_text(text.replace("mtu = 9000", "mtu = 99999"))
+    r = linkctl("doctor", "--profile", str(bad))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert len(r.stdout.splitlines()) == 1 and r.stderr == ""
+    assert r.stdout.startswith("FAIL") and "link.mtu" in r.stdout and "99999" in r.stdout
+    j = linkctl("doctor", "--profile", str(bad), "--json")
+    assert j.returncode == 2
+    [line] = json.loads(j.stdout)
+    assert (line["check"], line["verdict"], set(line)) == ("profile", "FAIL", KEYS)
+    # A host that is not in the profile is bad input too; nothing after it runs.
+    h = linkctl("doctor", "--profile", "dgx-mac", "--host", "nope", "--json")
+    assert h.returncode == 2
+    assert [(x["check"], x["verdict"]) for x in json.loads(h.stdout)] == [
+        ("profile", "PASS"),
+        ("host", "FAIL"),
+    ]
+
+
+# ---- the lab: three hosts on a switch, rpc-servers real and stand-in ---------------------------
+
+
+def _listening(netns: str, port: int, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = subprocess.run(
+            ["ip", "netns", "exec", netns, "ss", "-Hltn", f"sport = :{port}"],
+            capture_output=True,
+            text=True,
+        ).stdout
+        if out.strip():
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on :{port} in {netns}")
+
+
+HOLD = """
+import socket, struct, sys, time
+s = socket.create_connection(("198.18.100.2", 50052), timeout=5)
+s.sendall(struct.pack("<BQ", 14, 24) + bytes(24))
+n = struct.unpack("<Q", s.recv(8))[0]
+s.recv(n)
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def test_three_hosts_peers_and_rpc_versions_from_the_head(make_lab, tmp_path):
+    bins = need_llama()
+    lab = make_lab("dgx2-mac-switch")
+    hosts = ("dgx1", "dgx2", "mac")
+    for h in hosts:
+        s = lab.run(h, "setup")
+        assert s.returncode == 0, s.stderr
+    configured = snapshots(lab, hosts)
+
+    # Real ggml-rpc-server on dgx1, a protocol 3.0.0 stand-in on dgx2.
+    rpc_argv = [bins.rpc_server.path, "-H", "198.18.100.2", "-p", "50052"]
+    real = subprocess.Popen(
+        ["ip", "netns", "exec", lab.netns("dgx1"), *rpc_argv],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    fake = start_fake(
+        "v3", 50052, host="198.18.100.3", prefix=["ip", "netns", "exec", lab.netns("dgx2")]
+    )
+    holder = None
+    try:
+        _listening(lab.netns("dgx1"), 50052)
+        r, by, lines = run_doctor(lab, "mac", "--service-root", str(tmp_path))
+        check_shape(lines, r.returncode)
+        want = ("address", "mtu", "default route", "peer dgx1", "peer dgx2", "rpc protocol")
+        assert verdicts(by, *want) == dict.fromkeys(want, "PASS"), lines
+        local = by["rpc protocol"]["value"]
+        assert by["rpc dgx1"]["verdict"] == "PASS" and by["rpc dgx1"]["value"] == local
+        assert by["rpc dgx2"]["verdict"] == "FAIL" and r.returncode == 1
+        assert "3.0.0" in by["rpc dgx2"]["detail"] and local in by["rpc dgx2"]["detail"]
+        assert "build-llama.sh" in by["rpc dgx2"]["fix"]
+
+        # A client holds dgx1's rpc-server: doctor says busy, within its timeout.
+        holder = subprocess.Popen(
+            ["ip", "netns", "exec", lab.netns("mac"), sys.executable, "-c", HOLD],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert holder.stdout.readline().strip() == "held"
+        t0 = time.monotonic()
+        r, by, lines = run_doctor(lab, "mac", "--service-root", str(tmp_path))
+        assert time.monotonic() - t0 < 20
+        assert by["rpc dgx1"]["verdict"] == "WARN"
+        assert "busy (llama-server connected)" in by["rpc dgx1"]["detail"]
+        stop(holder)
+        holder = None
+        # doctor's unanswered HELLO left the real server able to serve the next client.
+        r, by, lines = run_doctor(lab, "mac", "--service-root", str(tmp_path))
+        assert by["rpc dgx1"]["verdict"] == "PASS", by["rpc dgx1"]
+        assert real.poll() is None
+    finally:
+        if holder:
+            stop(holder)
+        stop(fake)
+        stop(real)
+
+    # dgx2 goes away from the segment: its peer line fails with the fix, its rpc line skips.
+    assert lab.run("dgx2", "teardown").returncode == 0
+    r, by, lines = run_doctor(lab, "mac", "--service-root", str(tmp_path))
+    check_shape(lines, r.returncode)
+    assert by["peer dgx1"]["verdict"] == "PASS"
+    assert by["peer dgx2"]["verdict"] == "FAIL" and "dgx2" in by["peer dgx2"]["fix"]
+    assert "no ARP reply" in by["peer dgx2"]["detail"]
+    assert by["rpc dgx2"]["verdict"] == "SKIP"
+    configured["dgx2"] = ns_snapshot(lab.netns("dgx2"))
+    assert snapshots(lab, hosts) == configured
+
+
+# ---- the same logic against the macOS backend (replayed macOS command output) ---------------
+
+
+@pytest.fixture
+def isolated(tmp_path, monkeypatch):
+    monkeypatch.setenv("LINKCTL_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.delenv("LINKCTL_HOST", raising=False)
+    monkeypatch.delenv("LINKCTL_PROFILE", raising=False)
+    arp_sent: list[tuple[str, str]] = []
+
+    def who_has(ifname, target, **kw):
+        arp_sent.append((ifname, target))
+        return ["aa:bb:cc:00:00:02"]
+
+    monkeypatch.setattr("linkctl.arp.who_has", who_has)
+    return arp_sent
+
+
+def _hello_refused(calls):
+    from linkctl.errors import InputError
+
+    def hello(host, port, timeout):
+        calls.append((host, port))
+        raise InputError(f"rpc endpoint {host}:{port}: connection refused (nothing listens there)")
+
+    return hello
+
+
+def test_macos_backend_configured_mac(isolated, tmp_path):
+    from macos_replay import backend, configured, mac_studio
+
+    runner = configured(mac_studio())
+    calls: list = []
+    res = doctor.run(
+        "dgx-mac",
+        "mac",
+        backend=backend(runner),
+        service_root=tmp_path,
+        hello=_hello_refused(calls),
+    )
+    by = {ln.check: ln for ln in res.lines}
+    want = ("profile", "host", *NET, "peer dgx")
+    assert {n: by[n].verdict for n in want} == dict.fromkeys(want, "PASS"), res.as_json()
+    assert (by["speed"].value, by["duplex"].value, by["mtu"].value) == (10000, "full", 9000)
+    assert by["default route"].value == "en1"
+    assert isolated == [("en0", "192.168.100.2")]
+    assert runner.unexpected == [] and runner.changes() == []
+    # The rpc line either asked the (stand-in) endpoint or skipped for want of a local build.
+    assert calls in ([], [("192.168.100.2", 50052)])
+    assert by["rpc dgx"].verdict == "SKIP"
+
+
+def test_macos_backend_before_setup_and_at_1g(isolated, tmp_path):
+    from macos_replay import CONFIGURED, argv, backend, configured, mac_studio, out
+
+    runner = mac_studio()
+    calls: list = []
+    hello = _hello_refused(calls)
+    res = doctor.run("dgx-mac", "mac", backend=backend(runner), service_root=tmp_path, hello=hello)
+    by = {ln.check: ln for ln in res.lines}
+    assert (by["address"].verdict, by["address"].fix) == ("FAIL", "linkctl setup")
+    assert (by["mtu"].verdict, by["mtu"].value) == ("FAIL", 1500)
+    assert by["peer dgx"].verdict == "SKIP" and isolated == [] and calls == []
+    assert res.exit_code == 1 and runner.changes() == []
+
+    slow = configured(mac_studio())
+    slow.answers.update(CONFIGURED)
+    slow.answers[argv("ifconfig en0")] = out("ifconfig-en0-linkctl-1000baseT-constructed.txt")
+    res = doctor.run("dgx-mac", "mac", backend=backend(slow), service_root=tmp_path, hello=hello)
+    speed = next(ln for ln in res.lines if ln.check == "speed")
+    assert (speed.verdict, speed.value) == ("WARN", 1000)
+    assert "1 Gbit/s" in speed.detail and "10 Gbit/s" in speed.detail and "cable" in speed.fix
+    assert slow.changes() == []
+
+
+# ---- probe report and services lines against real files ----------------------------------------
+
+
+def _report(prof, host, peer, ok: bool, at: float):
+    from datetime import UTC, datetime
+
+    r = probe_report.ProbeReport(
+        prof.name,
+        host.name,
+        peer.name,
+        peer.ip,
+        time=datetime.fromtimestamp(at, UTC).isoformat(timespec="seconds"),
+    )
+    r.add("carrier", "PASS", True, True)
+    if not ok:
+        r.add("throughput", "FAIL", 1.0, 8.0)
+    probe_report.save(r)
+
+
+@pytest.mark.parametrize("me", ["mac", "dgx"])
+def test_probe_report_line(isolated, me):
+    prof = load_profile("dgx-mac")[0]
+    host = prof.host(me)
+    peer = prof.host("dgx" if me == "mac" else "mac")
+    now = time.time()
+
+    def line(at: float) -> doctor.Line:
+        res = doctor.DoctorResult()
+        doctor.check_probe_report(res, prof, host, now=at)
+        [ln] = res.lines
+        return ln
+
+    assert (line(now).verdict, line(now).fix) == ("WARN", "linkctl probe")
+    _report(prof, host, peer, ok=True, at=now - 60)
+    assert line(now).verdict == "PASS"
+    assert line(now + 25 * 3600).verdict == "WARN" and "old" in line(now + 25 * 3600).detail
+    _report(prof, host, peer, ok=False, at=now - 30)
+    failed = line(now)
+    assert failed.verdict == "WARN" and "throughput" in failed.detail
+
+
+def test_services_line(isolated, tmp_path):
+    from test_service import make_target, target_paths
+
+    from linkctl import service as svc
+
+    prof = load_profile("dgx-mac")[0]
+    dgx, mac = prof.host("dgx"), prof.host("mac")
+
+    def line(host) -> doctor.Line:
+        res = doctor.DoctorResult()
+        doctor.check_services(res, prof, host, "dgx-mac", root)
+        [ln] = res.lines
+        return ln
+
+    root = make_target(tmp_path / "root")
+    ln = line(dgx)
+    assert ln.verdict == "WARN"
+    assert ln.fix == "sudo linkctl service install --profile dgx-mac --host dgx"
+    svc.install(prof, dgx, target_paths("dgx-mac"), root=root)
+    assert line(dgx).verdict == "PASS"
+    assert line(mac).verdict == "WARN" and "dgx-mac/dgx" in line(mac).detail
+    unit = root / "etc/systemd/system/linkctl-serve.service"
+    unit.write_text(unit.read_text() + "\n# edited\n")
+    ln = line(dgx)
+    assert ln.verdict == "WARN" and "modified" in ln.detail and "install" in ln.fix
