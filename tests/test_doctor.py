@@ -8,9 +8,11 @@ import json
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
+import tomli_w
 from conftest import linkctl, ns_snapshot
 from llama_util import need_llama, start_fake, stop
 
@@ -77,6 +79,9 @@ def test_before_and_after_setup_and_doctor_changes_nothing(lab, tmp_path):
     address = next(x for x in t.stdout.splitlines() if x.split()[:2] == ["FAIL", "address"])
     assert address.endswith("fix: linkctl setup")
     assert snapshots(lab, hosts) == before, "doctor changed the namespaces"
+    # Without LINKCTL_HOST: detected (the only linux host whose interface exists here).
+    d = lab.exec("dgx", "env", "-u", "LINKCTL_HOST", sys.executable, "-m", "linkctl", "doctor")
+    assert "PASS host" in d.stdout and "detected" in d.stdout, d.stdout + d.stderr
 
     for h in hosts:
         s = lab.run(h, "setup")
@@ -96,6 +101,31 @@ def test_before_and_after_setup_and_doctor_changes_nothing(lab, tmp_path):
     if by["rpc protocol"]["verdict"] == "PASS":
         assert "nothing listens on 198.18.100.2:50052" in by["rpc dgx"]["detail"]
     assert snapshots(lab, hosts) == configured, "doctor changed the namespaces"
+
+    # A pinned MAC: the right one passes, a wrong one fails naming both.
+    data = tomllib.loads(Path(lab.profile_path).read_text())
+    for pinned, verdict in ((mac_of(lab, "dgx"), "PASS"), ("02:00:00:00:00:01", "FAIL")):
+        next(h for h in data["hosts"] if h["name"] == "dgx")["mac"] = pinned
+        path = tmp_path / f"pinned-{verdict}.toml"
+        path.write_text(tomli_w.dumps(data))
+        r, by, lines = run_doctor(
+            lab, "mac", "--profile", str(path), "--service-root", str(tmp_path)
+        )
+        assert by["peer dgx"]["verdict"] == verdict, by["peer dgx"]
+        assert (
+            pinned in by["peer dgx"]["detail"]
+            or "matches the pinned MAC" in by["peer dgx"]["detail"]
+        )
+    assert "swapped cable" in by["peer dgx"]["detail"] or "cable" in by["peer dgx"]["fix"]
+
+    # The default route moved onto the link port: FAIL with the fix.
+    subprocess.run(
+        ["ip", "-n", lab.netns("dgx"), "route", "replace", "default", "via", "198.18.100.1"],
+        check=True,
+    )
+    r, by, lines = run_doctor(lab, "dgx", "--service-root", str(tmp_path))
+    assert (by["default route"]["verdict"], by["default route"]["value"]) == ("FAIL", "enP7s7")
+    assert "WiFi" in by["default route"]["fix"] and r.returncode == 1
 
 
 def mac_of(lab, host: str) -> str:
