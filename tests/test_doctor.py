@@ -79,6 +79,19 @@ def test_before_and_after_setup_and_doctor_changes_nothing(lab, tmp_path):
     address = next(x for x in t.stdout.splitlines() if x.split()[:2] == ["FAIL", "address"])
     assert address.endswith("fix: linkctl setup")
     assert snapshots(lab, hosts) == before, "doctor changed the namespaces"
+    # The profile names an interface this machine does not have: FAIL naming the ones it
+    # has; everything that needs it skips (and no ARP goes anywhere).
+    data = tomllib.loads(Path(lab.profile_path).read_text())
+    next(h for h in data["hosts"] if h["name"] == "dgx")["interface"] = "nosuch0"
+    (tmp_path / "noif.toml").write_text(tomli_w.dumps(data))
+    r, by, lines = run_doctor(
+        lab, "dgx", "--profile", str(tmp_path / "noif.toml"), "--service-root", str(tmp_path)
+    )
+    assert r.returncode == 1 and by["interface"]["verdict"] == "FAIL"
+    assert "nosuch0" in by["interface"]["detail"] and "enP7s7" in by["interface"]["fix"]
+    skipped = ("speed", "duplex", "address", "mtu", "peer mac")
+    assert verdicts(by, *skipped) == dict.fromkeys(skipped, "SKIP")
+    assert by["default route"]["verdict"] == "PASS"
     # Without LINKCTL_HOST: detected (the only linux host whose interface exists here).
     d = lab.exec("dgx", "env", "-u", "LINKCTL_HOST", sys.executable, "-m", "linkctl", "doctor")
     assert "PASS host" in d.stdout and "detected" in d.stdout, d.stdout + d.stderr
