@@ -130,7 +130,13 @@ class Demo:
 
     def _argv(self, host: str, argv: list[str]) -> tuple[list[str], dict[str, str]]:
         assert self.lab is not None
-        return labmod.exec_argv(self.lab, host, argv)
+        argv, env = labmod.exec_argv(self.lab, host, argv)
+        # Caches the children write under $HOME (scapy's tables, rpc-server's tensor
+        # cache) stay in the lab, which is removed at the end.
+        home = self.lab.host_state_dir(host) / "home"
+        env.update(HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"))
+        env.update(XDG_CONFIG_HOME=str(home / ".config"))
+        return argv, env
 
     def linkctl(self, host: str, *args: str, timeout: float = 180) -> Result:
         """Run `linkctl ARGS` inside ``host``'s namespace; a failure stops the demo."""
