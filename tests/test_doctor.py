@@ -47,7 +47,18 @@ def verdicts(by: dict, *names: str) -> dict[str, str]:
 
 
 def snapshots(lab, hosts) -> dict:
-    return {h: ns_snapshot(lab.netns(h)) for h in hosts}
+    """Each namespace as `ip -j` reads it, and each host's state directory (setup records,
+    probe reports); only linkctl.llama's cache of the local RPC protocol may appear."""
+    out = {}
+    for h in hosts:
+        state = Path(lab.info["root"]) / "hosts" / h
+        files = {
+            str(p.relative_to(state)): p.read_bytes()
+            for p in sorted(state.rglob("*"))
+            if p.is_file() and "llama" not in p.relative_to(state).parts
+        }
+        out[h] = {"net": ns_snapshot(lab.netns(h)), "state": files}
+    return out
 
 
 # ---- the lab: two hosts ---------------------------------------------------------------------
@@ -265,7 +276,7 @@ def test_three_hosts_peers_and_rpc_versions_from_the_head(make_lab, tmp_path):
     assert by["peer dgx2"]["verdict"] == "FAIL" and "dgx2" in by["peer dgx2"]["fix"]
     assert "no ARP reply" in by["peer dgx2"]["detail"]
     assert by["rpc dgx2"]["verdict"] == "SKIP"
-    configured["dgx2"] = ns_snapshot(lab.netns("dgx2"))
+    configured["dgx2"] = snapshots(lab, ["dgx2"])["dgx2"]
     assert snapshots(lab, hosts) == configured
 
 
