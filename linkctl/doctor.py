@@ -378,12 +378,15 @@ def check_llama(
         res.add("llama binaries", "PASS", mine.path, "; ".join(versions))
 
     local: tuple[int, int, int] | None = None
-    if bins.rpc_server is None:
+    if bins.rpc_server is None and host.role == "rpc":
+        res.add("rpc protocol", "SKIP", None, "no ggml-rpc-server to ask (see llama binaries)")
+    elif bins.rpc_server is None:
         res.add(
             "rpc protocol",
-            "FAIL" if host.role == "rpc" else "WARN",
+            "WARN",
             None,
-            "no ggml-rpc-server in this build: its RPC protocol version cannot be learned",
+            "no ggml-rpc-server beside llama-server: the local RPC protocol version "
+            "cannot be learned, so the rpc hosts' versions cannot be compared",
             "build llama.cpp with -DGGML_RPC=ON (scripts/build-llama.sh)",
         )
     else:

@@ -421,3 +421,25 @@ def test_services_line(isolated, tmp_path):
     unit.write_text(unit.read_text() + "\n# edited\n")
     ln = line(dgx)
     assert ln.verdict == "WARN" and "modified" in ln.detail and "install" in ln.fix
+
+
+def test_llama_lines_without_binaries(isolated, tmp_path, monkeypatch):
+    """No llama.cpp build anywhere: the role's binary FAILs with the build fix, and what
+    needs it skips (find_bins runs for real, over an empty search path)."""
+    monkeypatch.setattr("linkctl.llama.CACHE_ROOTS", ())
+    monkeypatch.setenv("LINKCTL_LLAMA_BIN", str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    prof = load_profile("dgx-mac")[0]
+    res = doctor.DoctorResult()
+    doctor.check_llama(res, prof, prof.host("dgx"), {}, 1.0)
+    doctor.check_llama(res, prof, prof.host("mac"), {"dgx": True}, 1.0)
+    got = [(ln.check, ln.verdict) for ln in res.lines]
+    assert got == [
+        ("llama binaries", "FAIL"),
+        ("rpc protocol", "SKIP"),
+        ("llama binaries", "FAIL"),
+        ("rpc protocol", "WARN"),
+        ("rpc dgx", "SKIP"),
+    ]
+    assert "ggml-rpc-server" in res.lines[0].detail and "build-llama.sh" in res.lines[0].fix
+    assert "llama-server" in res.lines[2].detail
