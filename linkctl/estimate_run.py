@@ -64,29 +64,23 @@ def link_figures(
             f"no probe report at {path} and no --rtt-us/--throughput-gbps",
             "run `linkctl probe` first, or pass --rtt-us and --throughput-gbps",
         )
-    src = []
-    if rtt_us is None:
-        got = _smallest_latency(report or {})
+    src: list[str] = []
+
+    def pick(given: float | None, read, what: str, flag: str) -> float:
+        if given is not None:
+            src.append(f"{what} from {flag}")
+            return given
+        got = read(report or {})
         if got is None:
             raise InputError(
-                f"probe report {path} has no latency figures",
-                "re-run `linkctl probe` or pass --rtt-us",
+                f"probe report {path} has no {what} figures",
+                f"re-run `linkctl probe` or pass {flag}",
             )
-        rtt_us = got[0]
-        src.append(f"RTT from {path} ({got[1]})")
-    else:
-        src.append("RTT from --rtt-us")
-    if throughput_gbps is None:
-        got2 = _throughput(report or {})
-        if got2 is None:
-            raise InputError(
-                f"probe report {path} has no throughput figures",
-                "re-run `linkctl probe` or pass --throughput-gbps",
-            )
-        throughput_gbps = got2[0]
-        src.append(f"throughput from {path} ({got2[1]})")
-    else:
-        src.append("throughput from --throughput-gbps")
+        src.append(f"{what} from {path} ({got[1]})")
+        return got[0]
+
+    rtt_us = pick(rtt_us, _smallest_latency, "RTT", "--rtt-us")
+    throughput_gbps = pick(throughput_gbps, _throughput, "throughput", "--throughput-gbps")
     return LinkFigures(rtt_us=rtt_us, throughput_gbps=throughput_gbps, source="; ".join(src))
 
 
