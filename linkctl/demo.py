@@ -250,6 +250,7 @@ class Demo:
                 {"name": h.name, "address": h.address, "interface": h.interface} for h in lab.hosts
             ],
             shaping={"rate_bps": rate_bps, "delay_ms": o.delay_ms},
+            probe_limits={k: prof["probe"][k] for k in ("max_rtt_p99_us", "min_throughput_gbps")},
         )
         for h in lab.hosts:
             with self.step(

@@ -20,6 +20,7 @@ import pytest
 from conftest import need_tool
 
 from linkctl.errors import InputError
+from linkctl.lab import LAB_RTT_P99_US
 from linkctl.netstate import LinkFacts
 from linkctl.ping import linux_ping_argv, macos_ping_argv, parse_ping
 from linkctl.probe import choose_peers, latency_threshold_us
@@ -244,12 +245,8 @@ def _profile_with_probe(lab, tmp_path, **probe) -> str:
     return str(path)
 
 
-# This machine is a shared 2-vCPU VM: the client, the responder and everything else
-# running take turns on two vCPUs, and a 1000-sample p99 (the 10 slowest round trips
-# of ~15 ms of sampling) regularly lands at 1-2 ms from preemption alone. The clean-
-# link test therefore judges the lab against a 5 ms p99 limit; the 500 us default is
+# The lab's p99 limit (linkctl.lab.LAB_RTT_P99_US, why there); the 500 us default is
 # for the real link, and test_rtt_limit_is_enforced shows the limit does bite.
-LAB_RTT_P99_US = 5000
 
 
 @pytest.mark.netns

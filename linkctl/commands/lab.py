@@ -173,6 +173,12 @@ def render_demo(r: dict) -> None:
             f"{'PASS' if lk['ok'] else 'FAIL'}",
             markup=False,
         )
+    lim = r["probe_limits"]
+    out(
+        f"          probe limits in the lab: p99 RTT <= {lim['max_rtt_p99_us']:g} µs (one shared "
+        f"CPU), throughput >= {lim['min_throughput_gbps']:g} Gbit/s",
+        markup=False,
+    )
     m = r["model"]
     out(f"  model   tiny llama, {m['n_layer']} layers, {m['bytes'] / 1e6:.0f} MB F32", markup=False)
     for host, c in r["calibration"].items():
