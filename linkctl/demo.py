@@ -3,8 +3,8 @@
 lab up -> `setup` on every host -> (tbf shaping) -> `responder` on every rpc
 host -> `probe` from the head to each rpc host -> a tiny GGUF -> `calibrate`
 (rpc hosts behind loopback RPC, the head alone) -> `serve` on the rpc hosts
--> (delay proxies) -> the RPC round trip -> `estimate` on the head -> `serve`
-on the head -> timed completions -> `teardown` -> one report. Every step runs
+-> (delay proxies) -> `doctor` on the head -> the RPC round trip -> `estimate`
+on the head -> `serve` on the head -> timed completions -> `teardown` -> one report. Every step runs
 the real `linkctl` command inside the host's namespace, as a user runs it on
 the real host; the demo only sequences them and reads their JSON. Whatever
 happens (failure, Ctrl-C, SIGTERM) the lab's processes, namespaces and files
@@ -348,6 +348,24 @@ class Demo:
                         ],
                     )
                     self.wait_port(head, ip, port + PROXY_PORT_OFFSET, bg)
+        with self.step(f"doctor on {head}") as s:
+            argv, env = self._argv(
+                head, ["linkctl", "doctor", "--profile", str(prof_path), "--json"]
+            )
+            r = self.runner.run(argv, timeout=120, check=False, env=env)
+            (self.out_dir / "logs" / f"{head}-doctor.log").write_text(r.stdout + r.stderr)
+            lines = json.loads(r.stdout) if r.stdout.strip().startswith("[") else []
+            counts = {v: sum(ln["verdict"] == v for ln in lines) for v in ("PASS", "WARN", "FAIL")}
+            self.report["doctor"] = {"exit_code": r.returncode, **counts}
+            s["result"] = ", ".join(f"{n} {v}" for v, n in counts.items())
+            if r.returncode != 0:
+                failed = "; ".join(
+                    f"{ln['check']}: {ln['detail']}" for ln in lines if ln["verdict"] == "FAIL"
+                )
+                raise CheckFailed(
+                    f"doctor on {head} exited {r.returncode}: {failed or r.stderr.strip()}",
+                    f"see {self.out_dir / 'logs' / f'{head}-doctor.log'}",
+                )
         rtts = []
         head_prof = tomllib.loads(head_prof_path.read_text())
         for h in (x for x in head_prof["hosts"] if x["role"] == "rpc"):
@@ -492,11 +510,13 @@ class Demo:
     def left_behind(self) -> list[str]:
         from pyroute2 import netns
 
+        if self.lab is None:  # never made a lab (refused, or stopped before): nothing of ours
+            return []
         left = [f"netns {ns}" for ns in netns.listnetns() if ns.startswith(f"lk-{self.opts.name}-")]
         left += [
             f"pid {bg.proc.pid} ({bg.what})" for bg in self.background if bg.proc.poll() is None
         ]
-        if self.lab is not None and Path(self.lab.root).exists():
+        if Path(self.lab.root).exists():
             left.append(self.lab.root)
         return left
 
