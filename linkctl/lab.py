@@ -157,6 +157,7 @@ def up(profile: Profile, name: str = "lab") -> Lab:
         )
     lab = Lab(name, profile.name, str(root / "profile.toml"), hosts, wifi_ns, switch_ns, str(root))
     created: list[str] = []
+    owner = os.getpid()
     try:
         for ns in [wifi_ns, *([switch_ns] if switch_ns else []), *(h.netns for h in hosts)]:
             netns.create(ns)
@@ -174,6 +175,10 @@ def up(profile: Profile, name: str = "lab") -> Lab:
         )
         (root / "lab.json").write_text(json.dumps(lab.as_dict(), indent=2))
     except BaseException:
+        if os.getpid() != owner:
+            # A pyroute2 fork interrupted by a signal unwinds a copy of this stack; the
+            # namespaces belong to the parent, which is still using them.
+            os._exit(1)
         for ns in created:
             _remove_netns(ns)
         shutil.rmtree(root, ignore_errors=True)

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -192,3 +193,33 @@ def test_demo_refuses_a_lab_that_is_already_up(tmp_path):
         subprocess.run(
             [sys.executable, "-m", "linkctl", "lab", "down", "--name", run.name], env=env
         )
+
+
+def test_interrupt_in_a_fork_never_runs_the_parents_cleanup(tmp_path):
+    """pyroute2 forks children and stops them with SIGTERM; the demo's handler must make a
+    fork exit, not unwind the copied stack into the demo's cleanup (which once deleted a
+    lab's namespaces under the running demo in CI)."""
+    from linkctl.demo import interrupt_handler
+
+    unwound = tmp_path / "unwound"
+    ready_r, ready_w = os.pipe()
+    old = signal.signal(signal.SIGTERM, interrupt_handler(os.getpid()))
+    try:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.write(ready_w, b"x")
+                time.sleep(10)
+            finally:
+                unwound.write_text("the fork ran its parent's cleanup")
+                os._exit(0)
+        os.read(ready_r, 1)
+        os.kill(pid, signal.SIGTERM)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert os.waitstatus_to_exitcode(status) == 128 + signal.SIGTERM
+    assert not unwound.exists()
+    # In the process that installed it, the handler is a Ctrl-C.
+    with pytest.raises(KeyboardInterrupt):
+        interrupt_handler(os.getpid())(signal.SIGINT, None)
