@@ -23,11 +23,12 @@ from linkctl.errors import ApplyError, CheckFailed, InputError
 from linkctl.netstate import LinkFacts, Route
 from linkctl.plan import Change, Plan
 from linkctl.profile import HostSpec, LinkSpec
-from linkctl.runner import Runner
+from linkctl.runner import CommandFailed, Runner
 
 MAIN_TABLE = 254
 IFF_UP = 0x1
 _PROTO = {2: "kernel", 3: "boot", 4: "static", 16: "dhcp", 186: "bgp", 196: "ra"}
+NMCLI_NOT_FOUND = 10  # nmcli(1) exit status: connection, device or access point does not exist
 _SCOPE = {0: "universe", 200: "site", 253: "link", 254: "host", 255: "nowhere"}
 
 
@@ -215,7 +216,8 @@ class LinuxBackend:
             "ipv4.gateway": "",
             "ipv4.never-default": "yes",
             "ipv6.method": "disabled",
-            "ethernet.mtu": str(link.mtu),
+            # The canonical name: `nmcli -g` rejects the `ethernet.` alias that `add` accepts.
+            "802-3-ethernet.mtu": str(link.mtu),
             "connection.autoconnect": "yes",
         }
         settings = [x for kv in want.items() for x in kv]
@@ -290,13 +292,17 @@ class LinuxBackend:
         return plan
 
     def _nm_settings(self, con: str, keys: list[str]) -> dict[str, str] | None:
+        """The connection's settings, or None when NM has no connection of that name.
+        Any other failure is an error: guessing "absent" would add a duplicate."""
         res = self.runner.run(
             ["nmcli", "-t", "-g", ",".join(keys), "connection", "show", con],
             check=False,
             timeout=10,
         )
-        if not res.ok:
+        if res.returncode == NMCLI_NOT_FOUND:
             return None
+        if not res.ok:
+            raise CommandFailed(res)
         return dict(zip(keys, res.stdout.splitlines(), strict=False))
 
     def plan_teardown(self, profile: str, host: HostSpec, facts: LinkFacts) -> Plan:

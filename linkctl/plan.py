@@ -59,7 +59,8 @@ class Plan:
         return Plan([c.undo for c in reversed(self.changes) if c.undo])
 
 
-# Failpoint for tests of the rollback path: names a change action to fail at.
+# Failpoint for tests of the rollback path: names a change action to fail at, or
+# ACTION#N for the Nth change of the plan (1-based) when several share an action.
 FAULT_ENV = "LINKCTL_INJECT_FAULT"
 
 Executor = Callable[[Change], None]
@@ -81,11 +82,11 @@ def apply(
     """
     applied: list[Change] = []
     try:
-        for change in plan.changes:
+        for n, change in enumerate(plan.changes, start=1):
             if before:
                 before(change)
             log.info("apply: %s", change.summary)
-            if os.environ.get(FAULT_ENV) == change.action:
+            if os.environ.get(FAULT_ENV) in (change.action, f"{change.action}#{n}"):
                 raise ApplyError(f"injected fault before {change.summary!r} ({FAULT_ENV})")
             execute(change)
             applied.append(change)

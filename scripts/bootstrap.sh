@@ -35,6 +35,28 @@ if [ "${#missing[@]}" -gt 0 ]; then
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
+# network-manager: the tests run a private NetworkManager inside a lab namespace (on
+# its own D-Bus bus). Installed here without starting or enabling its service, so it
+# never takes over this machine's network; skipped where it is already installed.
+if ! dpkg-query -W -f='${Status}' network-manager 2>/dev/null | grep -q "install ok installed"; then
+  echo "bootstrap: apt-get install network-manager (service neither started nor enabled)" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  own_policy=0
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
+    chmod 755 /usr/sbin/policy-rc.d
+    own_policy=1
+  fi
+  { apt-get update -qq && apt-get install -y -qq --no-install-recommends network-manager; } \
+    >/dev/null || rc=$?
+  [ "$own_policy" = 1 ] && rm -f /usr/sbin/policy-rc.d
+  [ "${rc:-0}" = 0 ] || exit "$rc"
+  if command -v systemctl >/dev/null; then
+    systemctl disable NetworkManager.service NetworkManager-wait-online.service \
+      NetworkManager-dispatcher.service >/dev/null 2>&1 || true
+  fi
+fi
+
 py="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
   "$py" -m venv .venv

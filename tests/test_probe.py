@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import need_tool
+from llama_util import stop
 
 from linkctl.errors import InputError
 from linkctl.lab import LAB_RTT_P99_US
@@ -202,13 +203,7 @@ def responder(lab, host: str):
         assert line, proc.stderr.read()
         yield proc, json.loads(line)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc)
 
 
 def _setup(lab):
@@ -525,7 +520,7 @@ def test_no_raw_socket_permission_reason(lab):
 @pytest.mark.netns
 @pytest.mark.llama
 def test_rpc_endpoint_reported_from_real_rpc_server(lab):
-    from llama_util import need_llama, stop
+    from llama_util import need_llama
 
     bins = need_llama()
     _setup(lab)
