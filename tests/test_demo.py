@@ -3,6 +3,7 @@ behind after a normal run, after Ctrl-C in the middle, and after bad input."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -50,7 +51,9 @@ class DemoRun:
         for line in self.proc.stderr:
             self.progress.append(line.rstrip())
             for ns in Path("/run/netns").glob(f"lk-{self.name}-*"):
-                self.ns_inodes.setdefault(ns.name, ns.stat().st_ino)
+                # The demo's own cleanup may remove it between the glob and the stat.
+                with contextlib.suppress(FileNotFoundError):
+                    self.ns_inodes.setdefault(ns.name, ns.stat().st_ino)
             if marker and marker in line:
                 return
         if marker:
