@@ -21,7 +21,7 @@ from conftest import need_tool
 from llama_util import stop
 
 from linkctl.errors import InputError
-from linkctl.lab import LAB_RTT_P99_US
+from linkctl.lab import LAB_MIN_THROUGHPUT_GBPS, LAB_RTT_P99_US
 from linkctl.netstate import LinkFacts
 from linkctl.ping import linux_ping_argv, macos_ping_argv, parse_ping
 from linkctl.probe import choose_peers, latency_threshold_us
@@ -277,7 +277,7 @@ def test_clean_link_passes(lab, tmp_path):
         assert 0 < st["min_us"] <= st["p50_us"] <= st["p90_us"] <= st["p99_us"] <= st["max_us"]
     assert data["latency"]["icmp"]["received"] == data["latency"]["icmp"]["sent"] > 0
     assert set(data["throughput"]) == {"fwd_p1", "rev_p1", "fwd_p4", "rev_p4"}
-    assert all(t["gbps"] >= 8.0 for t in data["throughput"].values())
+    assert all(t["gbps"] >= LAB_MIN_THROUGHPUT_GBPS for t in data["throughput"].values())
     assert _check(data, "rpc")["verdict"] == "SKIP"  # nothing listens on 50052
     # Saved where estimate/serve read it; the Prometheus file has the figures.
     host_state = Path(lab.info["root"]) / "hosts" / "mac" / "probe"
@@ -350,7 +350,7 @@ def test_rate_limited_link_fails_throughput_with_measured_figure(lab):
     assert r.returncode == 1, r.stderr
     for key, name in (("fwd_p1", "throughput -> P1"), ("fwd_p4", "throughput -> P4")):
         gbps = data["throughput"][key]["gbps"]
-        assert 0 < gbps < 0.6, gbps  # 500 Mbit/s plus the burst, far under 8
+        assert 0 < gbps < 0.6, gbps  # 500 Mbit/s plus the burst, under the lab's 2 Gbit/s
         c = _check(data, name)
         assert c["verdict"] == "FAIL" and c["value"] == gbps
         assert f"{gbps:.2f} Gbit/s" in c["detail"]

@@ -175,8 +175,8 @@ def render_demo(r: dict) -> None:
         )
     lim = r["probe_limits"]
     out(
-        f"          probe limits in the lab: p99 RTT <= {lim['max_rtt_p99_us']:g} µs (one shared "
-        f"CPU), throughput >= {lim['min_throughput_gbps']:g} Gbit/s",
+        f"          probe limits in the lab (one shared CPU, not the profile's): p99 RTT "
+        f"<= {lim['max_rtt_p99_us']:g} µs, throughput >= {lim['min_throughput_gbps']:g} Gbit/s",
         markup=False,
     )
     m = r["model"]
