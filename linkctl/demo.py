@@ -207,9 +207,7 @@ class Demo:
         rate_bps = self.opts.check()
         self.out_dir.joinpath("logs").mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
-        interrupt = interrupt_handler(os.getpid())
-        old_term = signal.signal(signal.SIGTERM, interrupt)
-        old_int = signal.signal(signal.SIGINT, interrupt)
+        old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
         outcome = "interrupted"
         try:
             self._steps(rate_bps)
@@ -219,7 +217,7 @@ class Demo:
             raise
         finally:
             # A second Ctrl-C must not cut the cleanup short and leave namespaces behind.
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             try:
                 self.cleanup()
@@ -523,17 +521,5 @@ class Demo:
         return left
 
 
-def interrupt_handler(owner_pid: int) -> Callable[[int, Any], None]:
-    """SIGINT/SIGTERM -> KeyboardInterrupt in the demo's own process only.
-
-    pyroute2 forks short-lived children (netns sockets, netns creation) and stops them
-    with SIGTERM; a Ctrl-C from a terminal reaches them too. A fork that raised here
-    would unwind its copy of the demo's stack and run the cleanup, deleting the lab's
-    namespaces under the running demo. A fork exits at once instead."""
-
-    def handler(sig: int, _frame: Any) -> None:
-        if os.getpid() != owner_pid:
-            os._exit(128 + sig)
-        raise KeyboardInterrupt
-
-    return handler
+def _raise_interrupt(_sig: int, _frame: Any) -> None:
+    raise KeyboardInterrupt

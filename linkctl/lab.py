@@ -93,6 +93,20 @@ def _check_name(name: str) -> None:
         )
 
 
+def _no_unwinding_in_forks() -> None:
+    """pyroute2 forks short-lived children (netns creation, netns sockets) and stops
+    them with SIGTERM; a terminal's Ctrl-C reaches them too. A child that inherited a
+    Python handler (KeyboardInterrupt included) would unwind its copy of the parent's
+    stack and run the parent's cleanup: it once deleted a running demo's namespaces.
+    In a fork, such a signal takes its default action instead: the child just dies."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if callable(signal.getsignal(sig)):
+            signal.signal(sig, signal.SIG_DFL)
+
+
+os.register_at_fork(after_in_child=_no_unwinding_in_forks)
+
+
 def remap_subnet(profile: Profile) -> ipaddress.IPv4Network:
     """The lab's link subnet: same prefix length, inside 198.18.0.0/15."""
     prefix = profile.link.subnet.prefixlen
@@ -165,7 +179,6 @@ def up(profile: Profile, name: str = "lab") -> Lab:
         )
     lab = Lab(name, profile.name, str(root / "profile.toml"), hosts, wifi_ns, switch_ns, str(root))
     created: list[str] = []
-    owner = os.getpid()
     try:
         for ns in [wifi_ns, *([switch_ns] if switch_ns else []), *(h.netns for h in hosts)]:
             netns.create(ns)
@@ -183,10 +196,6 @@ def up(profile: Profile, name: str = "lab") -> Lab:
         )
         (root / "lab.json").write_text(json.dumps(lab.as_dict(), indent=2))
     except BaseException:
-        if os.getpid() != owner:
-            # A pyroute2 fork interrupted by a signal unwinds a copy of this stack; the
-            # namespaces belong to the parent, which is still using them.
-            os._exit(1)
         for ns in created:
             _remove_netns(ns)
         shutil.rmtree(root, ignore_errors=True)
