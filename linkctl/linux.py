@@ -28,8 +28,8 @@ from linkctl.runner import CommandFailed, Runner
 MAIN_TABLE = 254
 IFF_UP = 0x1
 _PROTO = {2: "kernel", 3: "boot", 4: "static", 16: "dhcp", 186: "bgp", 196: "ra"}
-NMCLI_NOT_FOUND = 10  # nmcli(1) exit status: connection, device or access point does not exist
 _SCOPE = {0: "universe", 200: "site", 253: "link", 254: "host", 255: "nowhere"}
+NMCLI_NOT_FOUND = 10  # nmcli(1) exit status: connection, device or access point does not exist
 
 
 @contextmanager

@@ -20,35 +20,37 @@ if [ "$(id -u)" != 0 ]; then
   exit 2
 fi
 
+installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
+apt_install() {
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq && apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+}
+
 # iperf3/sockperf: probe and its benchmark; iproute2: the lab's `ip netns exec`;
 # cmake/g++: the llama.cpp build; systemd: systemd-analyze for the unit tests.
 apt_pkgs=(python3 python3-venv python3-pip iperf3 sockperf iproute2 iputils-ping cmake g++ make
   systemd ca-certificates curl)
 missing=()
 for p in "${apt_pkgs[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  installed "$p" || missing+=("$p")
 done
 if [ "${#missing[@]}" -gt 0 ]; then
   echo "bootstrap: apt-get install ${missing[*]}" >&2
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq
-  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  apt_install "${missing[@]}"
 fi
 
 # network-manager: the tests run a private NetworkManager inside a lab namespace (on
 # its own D-Bus bus). Installed here without starting or enabling its service, so it
 # never takes over this machine's network; skipped where it is already installed.
-if ! dpkg-query -W -f='${Status}' network-manager 2>/dev/null | grep -q "install ok installed"; then
+if ! installed network-manager; then
   echo "bootstrap: apt-get install network-manager (service neither started nor enabled)" >&2
-  export DEBIAN_FRONTEND=noninteractive
   own_policy=0
   if [ ! -e /usr/sbin/policy-rc.d ]; then
     printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
     chmod 755 /usr/sbin/policy-rc.d
     own_policy=1
   fi
-  { apt-get update -qq && apt-get install -y -qq --no-install-recommends network-manager; } \
-    >/dev/null || rc=$?
+  apt_install network-manager || rc=$?
   [ "$own_policy" = 1 ] && rm -f /usr/sbin/policy-rc.d
   [ "${rc:-0}" = 0 ] || exit "$rc"
   if command -v systemctl >/dev/null; then
