@@ -341,7 +341,6 @@ def test_cli_too_large_for_every_device(tmp_path, env):
         (__import__("linkctl.paths").paths.REPO_ROOT / "profiles" / "dgx-mac.toml")
         .read_text()
         .replace("memory_gb = 128", "memory_gb = 32")
-        .replace("memory_gb = 192", "memory_gb = 64")
     )
     r = linkctl(
         "estimate",
@@ -357,3 +356,17 @@ def test_cli_too_large_for_every_device(tmp_path, env):
     )
     assert r.returncode == 2
     assert "GiB together" in r.stderr and "smaller quantization" in r.stderr
+
+
+def test_shipped_profile_235b_moe_needs_the_split(tmp_path, env):
+    """The fielded pair: a 128 GB Mac Studio cannot hold a Q4 235B MoE alone (with the
+    192 GB top configuration it would look as if it did)."""
+    p = write_header_only(tmp_path / "moe.gguf", QWEN3_235B_A22B)
+    r = linkctl(
+        "estimate", "--model", str(p), "--profile", "dgx-mac",
+        "--rtt-us", "100", "--throughput-gbps", "9", "--json", env=env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    est = json.loads(r.stdout)
+    assert est["fits_head_alone"] is False
+    assert est["recommendation"] == "split needed"
