@@ -121,6 +121,38 @@ class ServeSpec(_Strict):
     tensor_split: list[Annotated[float, Field(ge=0)]] = []
     threads: int | None = Field(default=None, ge=1, le=1024)
     extra_args: list[str] = []
+    # Layer split the head passes to llama-server: "recommended" (linkctl estimate's
+    # fastest memory-feasible split), "llama" (llama.cpp's own, by free memory) or
+    # weights "W,W,..." in llama.cpp device order (RPC hosts in --rpc order, then the
+    # head's GPU).
+    split: str = "recommended"
+
+    @field_validator("split")
+    @classmethod
+    def _split(cls, v: str) -> str:
+        parse_split_spec(v)
+        return v
+
+
+SPLIT_MODES = ("recommended", "llama")
+
+
+def parse_split_spec(text: str) -> str | list[float]:
+    """ "recommended", "llama", or a list of non-negative weights (not all zero);
+    ValueError otherwise."""
+    t = text.strip()
+    if t in SPLIT_MODES:
+        return t
+    try:
+        weights = [float(x) for x in t.replace("/", ",").split(",")]
+    except ValueError:
+        weights = []
+    if not weights or any(w < 0 or w != w for w in weights) or not any(weights):
+        raise ValueError(
+            "not recommended, llama or comma-separated weights, not all zero "
+            "(fix: write e.g. recommended, llama or 3,1)"
+        )
+    return weights
 
 
 class ProbeSpec(_Strict):
@@ -179,6 +211,13 @@ class Profile(_Strict):
                     str(h.rpc.bind),
                     f"is {what}; rpc-server has no authentication and binds only to {h.ip}",
                 )
+        if self.serve.tensor_split and self.serve.split != "recommended":
+            raise _FieldError(
+                "serve.tensor_split",
+                self.serve.tensor_split,
+                "is set together with serve.split; keep one (serve.split takes llama.cpp "
+                "device order)",
+            )
         if self.serve.tensor_split and len(self.serve.tensor_split) != len(self.hosts):
             raise _FieldError(
                 "serve.tensor_split",

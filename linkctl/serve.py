@@ -46,6 +46,7 @@ class ServePlan:
     model: str | None = None
     notes: list[str] = field(default_factory=list)
     bins: dict[str, Any] = field(default_factory=dict)
+    split: dict[str, Any] | None = None  # head only: SplitChoice.as_dict()
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -87,7 +88,9 @@ def check_bind_spec(host: HostSpec) -> None:
         )
 
 
-def head_argv(profile: Profile, binary: str, model: str) -> list[str]:
+def head_argv(
+    profile: Profile, binary: str, model: str, split: SplitChoice | None = None
+) -> list[str]:
     s = profile.serve
     endpoints = [h.rpc_endpoint for h in profile.rpc_hosts]
     argv = [
@@ -105,18 +108,173 @@ def head_argv(profile: Profile, binary: str, model: str) -> list[str]:
         "--port",
         str(s.port),
     ]
-    if s.tensor_split:
-        # llama.cpp orders devices RPC servers first (in --rpc order), then local ones.
-        by_name = {h.name: w for h, w in zip(profile.hosts, s.tensor_split, strict=True)}
-        weights = [by_name[h.name] for h in profile.rpc_hosts] + [by_name[profile.head.name]]
-        argv += ["-ts", ",".join(f"{w:g}" for w in weights)]
+    weights = split.tensor_split if split is not None else legacy_tensor_split(profile)
+    if weights:
+        # llama.cpp orders devices RPC servers first (in --rpc order), then local ones
+        # (src/llama.cpp llama_prepare_model_devices). -fit off: llama.cpp's automatic
+        # fitting (common/fit.cpp) may rewrite the split and layer count when memory
+        # looks short; an explicit -ngl already stops it, off makes it explicit and
+        # skips its extra pass over the model.
+        argv += ["-ts", ",".join(f"{w:g}" for w in weights), "-fit", "off"]
     if s.threads:
         argv += ["-t", str(s.threads)]
     return argv + list(s.extra_args)
 
 
+def legacy_tensor_split(profile: Profile) -> list[float] | None:
+    """serve.tensor_split (one weight per host, profile order) in llama.cpp device order."""
+    s = profile.serve
+    if not s.tensor_split:
+        return None
+    by_name = {h.name: w for h, w in zip(profile.hosts, s.tensor_split, strict=True)}
+    return [by_name[h.name] for h in profile.rpc_hosts] + [by_name[profile.head.name]]
+
+
+@dataclass
+class SplitChoice:
+    """The layer split the head runs, where it came from, and what it predicts."""
+
+    mode: str  # "recommended", "llama" or "weights"
+    source: str  # "--split", "serve.split in the profile", "serve.tensor_split", "default"
+    tensor_split: list[float] | None  # -ts weights, llama.cpp order; None: llama.cpp's own
+    order: list[str]  # host of each split device, llama.cpp order
+    predicted_decode_tok_s: float | None = None
+    predicted_prefill_tok_s: float | None = None
+    recommendation: str | None = None
+    estimate_source: str | None = None  # link figures and calibrations used
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        ts = ",".join(f"{w:g}" for w in self.tensor_split) if self.tensor_split else None
+        what = {
+            "recommended": f"recommended -ts {ts}",
+            "llama": "llama.cpp's default, by free memory, no -ts",
+            "weights": f"-ts {ts}",
+        }[self.mode]
+        line = f"split: {what} (from {self.source}"
+        if self.order:
+            line += f"; order {', '.join(self.order)}"
+        line += ")"
+        if self.predicted_decode_tok_s is not None:
+            line += (
+                f"; predicted decode {self.predicted_decode_tok_s:.1f} tok/s, prefill "
+                f"{self.predicted_prefill_tok_s or 0:.0f} tok/s"
+            )
+            if self.recommendation:
+                line += f"; estimate says: {self.recommendation}"
+        return line
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def choose_split(
+    profile: Profile,
+    model: str | None,
+    split: str | None = None,
+    *,
+    calibration: list[Path] | None = None,
+) -> SplitChoice:
+    """Resolve --split / serve.split into -ts weights, with the estimate's prediction.
+
+    "recommended" needs the estimate (the model header, the saved probe report, the
+    calibrations): when serve.split is only the default and the estimate cannot be
+    made, serve falls back to llama.cpp's split and says why; asked for explicitly,
+    it refuses (exit 2)."""
+    from linkctl.profile import parse_split_spec
+
+    s = profile.serve
+    if split is not None:
+        source, text = "--split", split
+    elif s.tensor_split:
+        source, text = "serve.tensor_split in the profile", None
+    elif "split" in s.model_fields_set:
+        source, text = "serve.split in the profile", s.split
+    else:
+        source, text = "default", s.split
+    if text is None:
+        spec: str | list[float] = legacy_tensor_split(profile) or []
+    else:
+        try:
+            spec = parse_split_spec(text)
+        except ValueError as e:
+            raise InputError(f"{source.split(' in ')[0]} {text!r}: {e}") from None
+    order = [h.name for h in profile.rpc_hosts]
+    if isinstance(spec, list):
+        n_rpc = len(profile.rpc_hosts)
+        if len(spec) not in (n_rpc, n_rpc + 1):
+            raise InputError(
+                f"{source.split(' in ')[0]} {text or spec}: {len(spec)} weights, the split has "
+                f"{n_rpc} rpc host(s) ({', '.join(order)}) and maybe the head's GPU",
+                f"give {n_rpc} or {n_rpc + 1} weights in llama.cpp order: rpc hosts in --rpc "
+                "order, then the head",
+            )
+        choice = SplitChoice(
+            "weights", source, spec, order + [profile.head.name][: len(spec) - n_rpc]
+        )
+    else:
+        choice = SplitChoice(spec, source, None, order)
+    try:
+        est = _estimate_for(profile, model, choice, calibration)
+    except InputError as e:
+        if choice.mode != "recommended":
+            choice.notes.append(f"no prediction: {e.line()}")
+            return choice
+        if source != "default":
+            raise InputError(
+                f"--split recommended needs the estimate: {e.message}",
+                e.fix or "run `linkctl probe` and `linkctl calibrate`, or use --split llama",
+            ) from None
+        choice.mode = "llama"
+        choice.notes.append(
+            f"recommended split unavailable ({e.line()}): serving llama.cpp's default split"
+        )
+        return choice
+    sc = est.recommended if choice.mode == "recommended" else est.split
+    if sc is None:  # no rpc device in the split: cannot happen with a valid profile
+        return choice
+    order = list(est.model.get("split_order", order))
+    if choice.mode == "recommended":
+        choice.tensor_split = [float(c) for c in sc.tensor_split]
+        choice.order = order
+        choice.recommendation = est.recommendation
+        if est.recommendation == "run locally":
+            choice.notes.append(f"the estimate says run locally: {est.reason}")
+    elif choice.mode == "llama":
+        choice.order = order
+        choice.notes.append(
+            "llama.cpp splits by the free memory each device reports when it loads; "
+            "predicted with the profile's memory figures"
+        )
+    choice.predicted_decode_tok_s = sc.decode_tok_s
+    choice.predicted_prefill_tok_s = sc.prefill_tok_s
+    choice.estimate_source = est.link.source if est.link else None
+    choice.notes += [w for w in est.warnings if "calibrat" in w]
+    return choice
+
+
+def _estimate_for(
+    profile: Profile, model: str | None, choice: SplitChoice, calibration: list[Path] | None
+):
+    from linkctl.estimate_run import run_estimate
+
+    if not model or not os.path.isfile(model):
+        raise InputError(
+            f"model {model or '(none)'} is not a readable file here",
+            "set serve.model or pass --model PATH",
+        )
+    ts = None
+    if choice.mode == "weights" and choice.tensor_split:
+        ts = ",".join(f"{w:g}" for w in choice.tensor_split)
+    return run_estimate(profile, Path(model), tensor_split=ts, calibration=calibration)
+
+
 def build_plan(
-    profile: Profile, host: HostSpec, bins: LlamaBins, model: str | None = None
+    profile: Profile,
+    host: HostSpec,
+    bins: LlamaBins,
+    model: str | None = None,
+    split: SplitChoice | None = None,
 ) -> ServePlan:
     """Both argv lines, for this host's role; no side effects."""
     model = model or profile.serve.model
@@ -126,7 +284,9 @@ def build_plan(
     rpc_lines = {
         h.name: rpc_argv(h, _bin_for(h, host, bins, "rpc-server")) for h in profile.rpc_hosts
     }
-    head = head_argv(profile, _bin_for(profile.head, host, bins, "llama-server"), model or "MODEL")
+    head = head_argv(
+        profile, _bin_for(profile.head, host, bins, "llama-server"), model or "MODEL", split
+    )
     if profile.serve.host.is_unspecified:
         notes.append(f"llama-server listens on {profile.serve.host}: every interface")
     for role_bin, b in (("rpc-server", bins.rpc_server), ("llama-server", bins.llama_server)):
@@ -146,8 +306,9 @@ def build_plan(
         if host.role == "head"
         else None,
         model=model or None,
-        notes=notes,
+        notes=notes + (split.notes if split and host.role == "head" else []),
         bins=bins.as_dict(),
+        split=split.as_dict() if split and host.role == "head" else None,
     )
 
 
@@ -336,6 +497,7 @@ def run_head(
     log: IO[str] | None = None,
     wait_s: float = 60.0,
     policy=None,
+    split: SplitChoice | None = None,
 ) -> int:
     from linkctl import rpc
     from linkctl.supervise import ChildSpec, Supervisor, stamp
@@ -360,6 +522,10 @@ def run_head(
         )
     else:
         say(f"local build speaks RPC protocol {_fmt(local)} ({build})")
+    if split is not None:
+        say(split.summary())
+        for note in split.notes:
+            say(f"split note: {note}")
 
     # First contact: wait for every endpoint (an rpc host may still be starting),
     # but refuse at once what can never work (another protocol, no HELLO).

@@ -137,6 +137,13 @@ BAD = [
     ("hosts-not-list", _set(["hosts"], "dgx,mac"), "hosts"),
     ("tensor-split-wrong-length", _set(["serve", "tensor_split"], [1, 2, 3]), "serve.tensor_split"),
     ("ctx-negative", _set(["serve", "ctx"], -4096), "serve.ctx"),
+    ("split-not-a-mode", _set(["serve", "split"], "fastest"), "serve.split"),
+    ("split-all-zero", _set(["serve", "split"], "0,0"), "serve.split"),
+    (
+        "split-and-tensor-split",
+        _both(_set(["serve", "split"], "3,1"), _set(["serve", "tensor_split"], [3, 1])),
+        "serve.tensor_split",
+    ),
     ("name-with-slash", _set(["name"], "../etc/passwd"), "name"),
     ("address-wrong-type", _both(_set(["hosts", 0, "address"], 1234)), "hosts[0].address"),
 ]

@@ -133,6 +133,128 @@ def test_dry_run_prints_both_lines():
     assert plan["role"] == "rpc" and plan["bind"] == "192.168.100.2"
 
 
+@pytest.fixture
+def split_env(tmp_path):
+    """A state dir holding a saved probe report, and a header-only 235B MoE: the
+    inputs `serve` estimates the recommended split from."""
+    import os
+
+    from ggufshapes import QWEN3_235B_A22B, write_header_only
+
+    state = tmp_path / "state"
+    (state / "probe").mkdir(parents=True)
+    (state / "probe" / "latest.json").write_text(
+        json.dumps(
+            {
+                "latency": {"tcp": {"1": {"p50_us": 90.0}}},
+                "throughput": {"fwd_p1": {"gbps": 9.4}},
+            }
+        )
+    )
+    model = write_header_only(tmp_path / "moe.gguf", QWEN3_235B_A22B)
+    return dict(os.environ, LINKCTL_STATE_DIR=str(state)), str(model)
+
+
+def _dry(env, *args):
+    r = linkctl("serve", "--profile", "dgx-mac", "--host", "mac", "--dry-run", *args, env=env)
+    return r
+
+
+def _flag(argv, name):
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+def test_dry_run_argv_carries_the_recommended_split(split_env):
+    env, model = split_env
+    est = json.loads(
+        linkctl("estimate", "--profile", "dgx-mac", "--model", model, "--json", env=env).stdout
+    )
+    r = _dry(env, "--model", model, "--json")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    # The same recommended split the estimate prints, as -ts, and llama.cpp's
+    # automatic fitting off so nothing re-places the layers.
+    assert _flag(plan["head_argv"], "-ts") == est["recommended_tensor_split"]
+    assert _flag(plan["head_argv"], "-fit") == "off"
+    sp = plan["split"]
+    assert sp["mode"] == "recommended" and sp["source"] == "default"
+    assert sp["order"] == ["dgx", "mac"] and sp["recommendation"] == "split needed"
+    assert sp["predicted_decode_tok_s"] == pytest.approx(est["recommended"]["decode_tok_s"])
+    assert sp["predicted_prefill_tok_s"] == pytest.approx(est["recommended"]["prefill_tok_s"])
+    assert "latest.json" in sp["estimate_source"]
+    # Text: the split, where it came from and its predictions.
+    r = _dry(env, "--model", model)
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("split: "))
+    assert f"recommended -ts {est['recommended_tensor_split']}" in line
+    assert "from default" in line and "predicted decode" in line and "prefill" in line
+
+
+def test_recommended_weights_place_layers_exactly_as_predicted(split_env):
+    """llama.cpp's rule (float32 cumulative split points) applied to the weights serve
+    passes gives back the per-device layer counts the estimate scored."""
+    from linkctl.estimate import llama_slot_devices
+
+    env, model = split_env
+    plan = json.loads(_dry(env, "--model", model, "--json").stdout)
+    weights = [float(w) for w in _flag(plan["head_argv"], "-ts").split(",")]
+    n_layer = len(weights) and int(sum(weights)) - 1
+    slots = llama_slot_devices(n_layer, weights)
+    assert [slots.count(i) for i in range(len(weights))] == [int(w) for w in weights]
+
+
+def test_split_llama_weights_and_bad_values(split_env):
+    env, model = split_env
+    plan = json.loads(_dry(env, "--model", model, "--split", "llama", "--json").stdout)
+    assert "-ts" not in plan["head_argv"] and "-fit" not in plan["head_argv"]
+    assert plan["split"]["mode"] == "llama" and plan["split"]["source"] == "--split"
+    assert plan["split"]["predicted_decode_tok_s"] > 0
+    plan = json.loads(_dry(env, "--model", model, "--split", "40,55", "--json").stdout)
+    assert _flag(plan["head_argv"], "-ts") == "40,55"
+    assert plan["split"]["mode"] == "weights" and plan["split"]["predicted_decode_tok_s"] > 0
+    for bad, msg in (
+        ("fastest", "--split 'fastest': not recommended, llama or"),
+        ("0,0", "not all zero"),
+        ("1,2,3", "--split 1,2,3: 3 weights"),
+    ):
+        r = _dry(env, "--model", model, "--split", bad)
+        assert r.returncode == 2, (bad, r.stdout)
+        assert msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "Traceback" not in r.stderr
+
+
+def test_recommended_without_a_probe_report(tmp_path, split_env):
+    """The profile's default falls back to llama.cpp's split and says why; asked for
+    explicitly, recommended refuses (exit 2)."""
+    import os
+
+    _, model = split_env
+    env = dict(os.environ, LINKCTL_STATE_DIR=str(tmp_path / "empty"))
+    r = _dry(env, "--model", model, "--json")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert "-ts" not in plan["head_argv"] and plan["split"]["mode"] == "llama"
+    assert any(
+        "recommended split unavailable" in n and "no probe report" in n for n in plan["notes"]
+    )
+    r = _dry(env, "--model", model, "--split", "recommended")
+    assert r.returncode == 2 and "--split recommended needs the estimate" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_profile_serve_split_is_used(tmp_path, split_env):
+    env, model = split_env
+    src = (REPO / "profiles" / "dgx-mac.toml").read_text()
+    prof = tmp_path / "p.toml"
+    prof.write_text(src.replace("ngl = 99", 'ngl = 99\nsplit = "3,1"'))
+    r = linkctl(
+        "serve", "--profile", str(prof), "--host", "mac", "--dry-run", "--json", "--model", model,
+        env=env,
+    )  # fmt: skip
+    plan = json.loads(r.stdout)
+    assert _flag(plan["head_argv"], "-ts") == "3,1"
+    assert plan["split"]["source"] == "serve.split in the profile"
+
+
 def _report(d: Path, name: str, **kw) -> None:
     base = {
         "profile": "dgx-mac",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -61,6 +62,26 @@ def register(app: typer.Typer) -> None:
             float,
             typer.Option("--wait", help="Head: seconds to wait for the rpc endpoints to answer."),
         ] = 60.0,
+        split: Annotated[
+            str | None,
+            typer.Option(
+                "--split",
+                help="Head: layer split. recommended (the estimate's fastest split that "
+                "fits, from the saved probe report and calibrations), llama (llama.cpp's "
+                "own, by free memory) or weights W,W,... in llama.cpp order (rpc hosts in "
+                "--rpc order, then the head's GPU). Default: serve.split (recommended).",
+                show_default=False,
+            ),
+        ] = None,
+        calibration: Annotated[
+            list[Path] | None,
+            typer.Option(
+                "--calibration",
+                help="Extra calibration.json for the estimate (e.g. copied from the rpc "
+                "host); repeatable.",
+                show_default=False,
+            ),
+        ] = None,
         dry_run: DryRunOpt = False,
         json_: JsonOpt = False,
     ) -> None:
@@ -68,11 +89,13 @@ def register(app: typer.Typer) -> None:
 
         rpc host: ggml-rpc-server bound to the link address only, ready when HELLO
         answers. Head: gate on the probe report, HELLO every rpc endpoint and compare
-        RPC protocol versions, then llama-server --rpc ..., ready when /health answers.
-        Both restart their server with backoff and forward SIGTERM/SIGINT.
+        RPC protocol versions, then llama-server --rpc ... -ts <split>, ready when /health
+        answers. Both restart their server with backoff and forward SIGTERM/SIGINT.
 
         Examples:
           linkctl serve --dry-run
+          linkctl serve --host mac --split llama
+          linkctl serve --host mac --split 40,41 --dry-run --json
           linkctl serve --profile dgx-mac --host dgx
           linkctl serve --host mac --model /models/m.gguf
         """
@@ -81,8 +104,13 @@ def register(app: typer.Typer) -> None:
 
         prof, h, backend = load_with_host(profile, host)
         bins = find_bins(h.llama_bin_dir)
-        plan = sv.build_plan(prof, h, bins, model)
+
+        def head_split() -> sv.SplitChoice:
+            return sv.choose_split(prof, model or prof.serve.model, split, calibration=calibration)
+
         if dry_run:
+            choice = head_split() if h.role == "head" else None
+            plan = sv.build_plan(prof, h, bins, model, choice)
             if json_:
                 print_json(plan.as_dict())
                 return
@@ -98,14 +126,17 @@ def register(app: typer.Typer) -> None:
             for name, argv in plan.rpc_argv.items():
                 console.print(f"rpc  {name}: {' '.join(argv)}", markup=False)
             console.print(f"head {prof.head.name}: {' '.join(plan.head_argv)}", markup=False)
+            if choice is not None:
+                console.print(choice.summary(), markup=False)
             return
-        if json_:
-            print_json(plan.as_dict())
         if h.role == "rpc":
+            plan = sv.build_plan(prof, h, bins, model)
+            if json_:
+                print_json(plan.as_dict())
             bins.need("rpc-server")
             raise typer.Exit(sv.run_rpc(plan, h, backend))
         bins.need("llama-server")
-        sv.model_path_check(plan.model)
+        sv.model_path_check(model or prof.serve.model)
         if skip_probe:
             warn_line("--skip-probe: serving without a passing probe report for this link")
         else:
@@ -113,4 +144,8 @@ def register(app: typer.Typer) -> None:
 
             for line in sv.probe_gate(prof, h):
                 sys.stderr.write(f"linkctl: {line}\n")
-        raise typer.Exit(sv.run_head(plan, prof, bins, wait_s=wait))
+        choice = head_split()
+        plan = sv.build_plan(prof, h, bins, model, choice)
+        if json_:
+            print_json(plan.as_dict())
+        raise typer.Exit(sv.run_head(plan, prof, bins, wait_s=wait, split=choice))
