@@ -14,6 +14,7 @@ Bytes per tensor come from ggml's (block size, type size) table,
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import re
 import struct
@@ -267,23 +268,65 @@ class ModelInfo:
         }
 
 
+# Bounds on what a header may claim, checked before anything is allocated or read.
+# ggml's own reader (ggml/src/gguf.cpp, ggml/include/ggml.h) refuses tensor names of
+# GGML_MAX_NAME (64) bytes or more, more than GGML_MAX_DIMS (4) dims, element counts
+# past INT64_MAX, non-power-of-2 alignments, duplicate keys and tensor names. The
+# counts below are far above any published model (~1.1k tensors, ~50 keys, ~200
+# blocks) and keep a hostile header's memory and time small.
+MAX_TENSORS = 1 << 18
+MAX_KV = 1 << 16
+MAX_KEY_LEN = 1 << 16
+MAX_STRING_LEN = 1 << 24  # one string value (chat templates are ~10-100 KB)
+MAX_NAME_LEN = 63  # GGML_MAX_NAME - 1
+MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_ARRAY_DEPTH = 2  # an array of arrays; ggml's reader takes no nesting at all
+MAX_BLOCKS = 1024
+MAX_HPARAM = 1 << 32  # llama.cpp holds these hyperparameters as uint32
+KEEP_BUDGET = 1 << 24  # metadata bytes kept in memory (strings, short arrays) per file
+_INT64_MAX = (1 << 63) - 1
+# Smallest encodings: a key/value (8-byte key length, 1-byte key, 4-byte type, 1-byte
+# value) and a tensor info (8-byte name length, 1-byte name, dims, type, offset).
+_MIN_KV_BYTES = 14
+_MIN_TENSOR_BYTES = 25
+
+
+def _corrupt(path: str, what: str) -> InputError:
+    return InputError(f"{path}: corrupt GGUF header: {what}", "the file is damaged; fetch it again")
+
+
 class _Cursor:
-    """Sequential reads from the start of a file, pulling in 1 MiB chunks as needed."""
+    """Sequential reads from the start of a file, pulling in 1 MiB chunks as needed;
+    every length is checked against the bytes left in the file before it is read."""
 
     def __init__(self, f, path: str, size: int):
         self.f, self.path, self.size = f, path, size
         self.buf = b""
         self.pos = 0
+        self.kept = 0  # metadata bytes kept, against KEEP_BUDGET
+
+    def tell(self) -> int:
+        return self.f.tell() - (len(self.buf) - self.pos)
+
+    def remaining(self) -> int:
+        return self.size - self.tell()
+
+    def _truncated(self, n: int, what: str) -> InputError:
+        return InputError(
+            f"{self.path}: truncated GGUF header: {what} needs {n} bytes at byte "
+            f"{self.tell()}, the file ends at byte {self.size}",
+            "the download is incomplete or the file is damaged; fetch the file again",
+        )
 
     def _need(self, n: int, what: str) -> None:
+        if len(self.buf) - self.pos >= n:
+            return
+        if n > self.remaining():
+            raise self._truncated(n, what)
         while len(self.buf) - self.pos < n:
-            chunk = self.f.read(max(_CHUNK, n))
-            if not chunk:
-                raise InputError(
-                    f"{self.path}: truncated GGUF header: file ends at byte {self.size} "
-                    f"while reading {what}",
-                    "the download is incomplete; fetch the file again",
-                )
+            chunk = self.f.read(max(_CHUNK, n - (len(self.buf) - self.pos)))
+            if not chunk:  # the file shrank while being read
+                raise self._truncated(n, what)
             self.buf = self.buf[self.pos :] + chunk
             self.pos = 0
 
@@ -294,17 +337,32 @@ class _Cursor:
         self.pos += n
         return v
 
-    def string(self, what: str, max_len: int = 1 << 24) -> str:
-        n = self.unpack("<Q", what)
-        if n > max_len:
-            raise InputError(
-                f"{self.path}: corrupt GGUF header: {what} claims a {n}-byte string",
-                "the file is damaged; fetch it again",
-            )
+    def length(self, what: str, limit: int) -> int:
+        n = self.unpack("<Q", f"length of {what}")
+        if n > limit:
+            raise _corrupt(self.path, f"{what} claims {n} bytes (limit {limit})")
+        if n > self.remaining():
+            raise self._truncated(n, what)
+        return n
+
+    def string(self, what: str, max_len: int = MAX_STRING_LEN) -> str:
+        n = self.length(what, max_len)
         self._need(n, what)
         s = self.buf[self.pos : self.pos + n]
         self.pos += n
         return s.decode("utf-8", errors="replace")
+
+    def count(self, what: str, n: int, min_bytes: int, limit: int | None = None) -> int:
+        """``n`` items of at least ``min_bytes`` each must fit in what is left."""
+        if limit is not None and n > limit:
+            raise _corrupt(self.path, f"{what}: {n} claimed (limit {limit})")
+        if n * min_bytes > self.remaining():
+            raise InputError(
+                f"{self.path}: truncated GGUF header: {what} {n} needs at least "
+                f"{n * min_bytes} bytes, {self.remaining()} are left in the file",
+                "the download is incomplete or the file is damaged; fetch the file again",
+            )
+        return n
 
     def skip_strings(self, count: int, what: str) -> None:
         # Hot loop (a 150k-token vocabulary): work on locals, refill only at buffer ends.
@@ -320,35 +378,54 @@ class _Cursor:
                 i += 1
             self.pos = pos
             if i < count:
-                self._need(8, what)
-                n = unpack(self.buf, self.pos)[0]
-                self._need(8 + n, what)
+                self.skip(self.length(what, MAX_STRING_LEN), what)
+                i += 1
 
     def skip(self, n: int, what: str) -> None:
-        self._need(n, what)
-        self.pos += n
+        if len(self.buf) - self.pos >= n:
+            self.pos += n
+            return
+        if n > self.remaining():
+            raise self._truncated(n, what)
+        self.f.seek(self.tell() + n)
+        self.buf, self.pos = b"", 0
 
-    def tell(self) -> int:
-        return self.f.tell() - (len(self.buf) - self.pos)
+    def keep(self, n: int) -> bool:
+        """Whether ``n`` more bytes of metadata may be kept in memory."""
+        if self.kept + n > KEEP_BUDGET:
+            return False
+        self.kept += n
+        return True
 
 
-def _read_value(cur: _Cursor, vtype: int, key: str) -> Any:
+def _read_value(cur: _Cursor, vtype: int, key: str, depth: int = 0) -> Any:
     if vtype in _SCALAR:
         return cur.unpack(_SCALAR[vtype], f"value of {key}")
     if vtype == _STRING:
-        return cur.string(f"value of {key}")
+        n = cur.length(f"value of {key}", MAX_STRING_LEN)
+        if not cur.keep(n):
+            cur.skip(n, f"value of {key}")
+            return _SkippedArray(n)
+        cur._need(n, f"value of {key}")
+        v = cur.buf[cur.pos : cur.pos + n].decode("utf-8", errors="replace")
+        cur.pos += n
+        return v
     if vtype == _ARRAY:
+        if depth >= MAX_ARRAY_DEPTH:
+            raise _corrupt(cur.path, f"{key} nests arrays deeper than {MAX_ARRAY_DEPTH} levels")
         etype = cur.unpack("<I", f"array type of {key}")
-        count = cur.unpack("<Q", f"array length of {key}")
+        raw = cur.unpack("<Q", f"array length of {key}")
         if etype == _STRING:
-            if count <= 16:
+            count = cur.count(f"array {key}", raw, 8)
+            if count <= 16 and cur.keep(8 * count):
                 return [cur.string(f"{key}[]") for _ in range(count)]
             cur.skip_strings(count, f"{key}[]")
             return _SkippedArray(count)
         if etype in _SCALAR:
             fmt = _SCALAR[etype]
             size = struct.calcsize(fmt)
-            if count > _KEEP_ARRAY_MAX:
+            count = cur.count(f"array {key}", raw, size)
+            if count > _KEEP_ARRAY_MAX or not cur.keep(size * count):
                 cur.skip(size * count, f"{key}[]")
                 return _SkippedArray(count)
             cur._need(size * count, f"{key}[]")
@@ -356,7 +433,8 @@ def _read_value(cur: _Cursor, vtype: int, key: str) -> Any:
             cur.pos += size * count
             return vals
         if etype == _ARRAY:
-            return [_read_value(cur, _ARRAY, key) for _ in range(count)]
+            count = cur.count(f"array {key}", raw, 12)  # each inner array: type + length
+            return [_read_value(cur, _ARRAY, key, depth + 1) for _ in range(count)]
         raise InputError(
             f"{cur.path}: corrupt GGUF header: array {key} has unknown element type {etype}",
             "the file is damaged or from a newer GGUF version",
@@ -369,9 +447,30 @@ def _read_value(cur: _Cursor, vtype: int, key: str) -> Any:
 
 @dataclass(frozen=True)
 class _SkippedArray:
-    """A long array not kept; its length is what matters (e.g. the vocabulary size)."""
+    """A long array (or value) not kept; its length is what matters (e.g. the
+    vocabulary size)."""
 
     count: int
+
+
+def _read_tensor_info(cur: _Cursor, i: int) -> TensorInfo:
+    name = cur.string(f"tensor #{i} name", max_len=MAX_NAME_LEN)
+    n_dims = cur.unpack("<I", f"dims of {name}")
+    if n_dims > MAX_DIMS:
+        raise _corrupt(cur.path, f"tensor {name!r} has {n_dims} dims (ggml takes at most 4)")
+    shape = tuple(cur.unpack("<Q", f"shape of {name}") for _ in range(n_dims))
+    n = 1
+    for d in shape:
+        n *= d
+    if any(d > _INT64_MAX for d in shape) or n > _INT64_MAX:
+        raise _corrupt(cur.path, f"tensor {name!r} shape {list(shape)} overflows int64")
+    ttype = cur.unpack("<I", f"type of {name}")
+    offset = cur.unpack("<Q", f"offset of {name}")
+    try:
+        nbytes = tensor_nbytes(shape, ttype, name)
+    except InputError as e:
+        raise InputError(f"{cur.path}: {e.message}", e.fix) from None
+    return TensorInfo(name, shape, ttype, offset, nbytes)
 
 
 def read_header(path: str | os.PathLike) -> tuple[int, dict[str, Any], list[TensorInfo], int, int]:
@@ -404,35 +503,31 @@ def read_header(path: str | os.PathLike) -> tuple[int, dict[str, Any], list[Tens
             )
         n_tensors = cur.unpack("<Q", "tensor count")
         n_kv = cur.unpack("<Q", "metadata count")
-        if n_tensors > 10_000_000 or n_kv > 10_000_000:
-            raise InputError(
-                f"{path}: corrupt GGUF header ({n_tensors} tensors, {n_kv} keys)",
-                "the file is damaged; fetch it again",
-            )
+        cur.count("metadata key count", n_kv, _MIN_KV_BYTES, MAX_KV)
+        cur.count("tensor count", n_tensors, _MIN_TENSOR_BYTES, MAX_TENSORS)
         meta: dict[str, Any] = {}
         for i in range(n_kv):
-            key = cur.string(f"key #{i}", max_len=65536)
+            key = cur.string(f"key #{i}", max_len=MAX_KEY_LEN)
+            if not key or key in meta:
+                raise _corrupt(
+                    str(path), f"key #{i} {key!r} is {'a duplicate' if key else 'empty'}"
+                )
             vtype = cur.unpack("<I", f"type of {key}")
             meta[key] = _read_value(cur, vtype, key)
         tensors = []
+        names: set[str] = set()
         for i in range(n_tensors):
-            name = cur.string(f"tensor #{i} name", max_len=65536)
-            n_dims = cur.unpack("<I", f"dims of {name}")
-            if n_dims > 8:
-                raise InputError(
-                    f"{path}: corrupt GGUF header: tensor {name!r} has {n_dims} dims",
-                    "the file is damaged; fetch it again",
-                )
-            shape = tuple(cur.unpack("<Q", f"shape of {name}") for _ in range(n_dims))
-            ttype = cur.unpack("<I", f"type of {name}")
-            offset = cur.unpack("<Q", f"offset of {name}")
-            tensors.append(
-                TensorInfo(name, shape, ttype, offset, tensor_nbytes(shape, ttype, name))
-            )
+            t = _read_tensor_info(cur, i)
+            if t.name in names:
+                raise _corrupt(str(path), f"tensor name {t.name!r} appears twice")
+            names.add(t.name)
+            tensors.append(t)
         end = cur.tell()
     align = meta.get("general.alignment", DEFAULT_ALIGNMENT)
-    if not isinstance(align, int) or align <= 0:
+    if isinstance(align, bool) or not isinstance(align, int):
         align = DEFAULT_ALIGNMENT
+    if align <= 0 or align & (align - 1):
+        raise _corrupt(str(path), f"general.alignment {align} is not a power of 2")
     header_size = (end + align - 1) // align * align
     return version, meta, tensors, header_size, size
 
@@ -445,11 +540,11 @@ def _get(meta: dict[str, Any], arch: str, key: str) -> Any:
 def _scalar(v: Any) -> int | None:
     """A per-layer array (some architectures vary heads per layer) reduces to its max."""
     if isinstance(v, list):
-        nums = [x for x in v if isinstance(x, int | float)]
+        nums = [x for x in v if isinstance(x, int | float) and math.isfinite(x)]
         return int(max(nums)) if nums else None
     if isinstance(v, bool):
         return int(v)
-    if isinstance(v, int | float):
+    if isinstance(v, int | float) and math.isfinite(v):
         return int(v)
     return None
 
@@ -472,15 +567,28 @@ def read_model(path: str | os.PathLike) -> ModelInfo:
         )
 
     def num(key: str) -> int | None:
-        return _scalar(_get(meta, arch, key))
+        v = _get(meta, arch, key)
+        if v is None:
+            return None
+        n = _scalar(v)
+        if n is None or not 0 <= n <= MAX_HPARAM:
+            raise _corrupt(
+                str(path), f"{arch}.{key} = {str(v)[:40]} is not a count in 0..{MAX_HPARAM}"
+            )
+        return n
 
     layers_seen = [t.layer for t in tensors if t.layer is not None]
+    if layers_seen and max(layers_seen) >= MAX_BLOCKS:
+        bad = next(t.name for t in tensors if (t.layer or 0) >= MAX_BLOCKS)
+        raise _corrupt(str(path), f"tensor {bad!r}: block index past {MAX_BLOCKS - 1}")
     blocks_from_tensors = max(layers_seen) + 1 if layers_seen else 0
     block_count = num("block_count")
     if block_count is None:
         block_count = blocks_from_tensors
         if arch_known:
             warnings.append(f"{arch}.block_count missing: took {block_count} from tensor names")
+    if block_count > MAX_BLOCKS:
+        raise _corrupt(str(path), f"{arch}.block_count {block_count} is past {MAX_BLOCKS}")
     embd = num("embedding_length")
     tok = next((t for t in tensors if t.name == "token_embd.weight"), None)
     if embd is None:
@@ -512,6 +620,10 @@ def read_model(path: str | os.PathLike) -> ModelInfo:
         e = next(t for t in tensors if t.is_expert)
         expert_count = e.shape[-1] if len(e.shape) >= 3 else 0
         warnings.append(f"expert_count missing: took {expert_count} from {e.name}")
+    if expert_used > expert_count:
+        raise _corrupt(
+            str(path), f"{expert_used} experts used per token of {expert_count} (expert_count)"
+        )
     if expert_count and not expert_used:
         expert_used = expert_count
         warnings.append(
