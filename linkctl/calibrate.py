@@ -320,7 +320,7 @@ def calibrate(
         "bytes_per_token": bpt,
         "effective_bandwidth_gbs": bw,
         "effective_tflops": tflops,
-        "catalog_effective_bandwidth_gbs": dev.mem_bandwidth_gbs * dev.efficiency,
+        "catalog_effective_bandwidth_gbs": dev.decode.bw_gbs,
         "llama_server": bins.llama_server.path,
     }
     if rpc:

@@ -3,28 +3,47 @@ figures to an Estimate.
 
 Decode, per generated token (llama.cpp is sequential across a layer split):
 
-    t_token = sum over devices d of  bytes_d / bw_d
-            + sum over RPC devices r holding layers of
+    t_token = sum over devices d of t_d + sum over RPC devices r holding layers of
                   ROUND_TRIPS x RTT + bytes_crossing_r / throughput + rpc_overhead_r
 
-  bytes_d       weights device d reads for one token: its blocks' tensors (for a
-                MoE only the routed experts in use: expert_used/expert_count of the
-                expert tensors, plus every shared tensor), the output head if the
-                output layer sits on d, and its KV cache at the given context
-                (ctx x 2 x n_head_kv x head_dim x 2 bytes per layer, f16 cache).
-  bw_d          effective bandwidth: catalog peak x efficiency, or the figure
-                `linkctl calibrate` measured on that host.
+    t_d = layer_us x blocks_d + moe_layer_us x MoE blocks_d
+        + quantized weight bytes_d / bw + F16/BF16/F32 weight bytes_d / bw_f16
+        + KV-cache bytes_d read at the decode depth / kv_bw
+
+  blocks_d      the repeating blocks on d. Each costs a fixed time per token
+                (kernel launches, graph and synchronisation) that its bytes do not
+                explain; a MoE block more (routing, top-k, the expert dispatch), which
+                is why small expert reads reach a low share of the bandwidth.
+  weight bytes  what d reads for one token: its blocks' tensors (for a MoE only the
+                routed experts in use: expert_used/expert_count of the expert tensors,
+                plus every shared tensor) and the output head if it sits on d, split
+                by ggml type into quantized and F16/BF16/F32 bytes.
+  KV bytes      at context position `depth` (not the allocated ctx): each block reads
+                depth positions of K and V (f16), a sliding-window block at most its
+                window (ModelInfo.kv_positions).
+  the terms     per device, fitted from public llama-bench results by
+                scripts/fit_devices.py (data/devices_fit.toml), or measured on the host
+                by `linkctl calibrate` (linkctl.catalog.apply_calibration).
   ROUND_TRIPS   synchronous request/response exchanges llama.cpp's RPC client makes
                 per token per RPC device (see RPC_ROUND_TRIPS_PER_TOKEN).
   bytes_crossing  the activations into the device (n_embd f32) and out of it
                 (n_embd f32, or n_vocab f32 logits when the output layer is there).
-  rpc_overhead  fixed per-token cost of one RPC boundary beyond the wire (request
-                (de)serialisation, graph dispatch), measured by `linkctl calibrate
-                --rpc` over loopback; 0 when not calibrated.
+  rpc_overhead  fixed per-token cost of one RPC boundary beyond the wire; 0 when not
+                calibrated.
 
-Prefill: per micro-batch, each device takes max(compute, weight read) where compute
-= 2 x active params x tokens (+ attention) / effective FLOPS; each RPC boundary adds
-one round trip and the batch's activations each way.
+Prefill, per micro-batch of T tokens starting at context position c, on device d:
+
+    t = ubatch_layer_us x blocks + moe_ubatch_layer_us x MoE blocks
+      + 2 T x dense params / tflops (quantized; F16 weights / tflops_f16)
+      + 2 T x routed-expert params in use / moe_tflops
+      + attention FLOPs (4 x n_head x head_dim x positions attended, per block) / attn_tflops
+
+  The routed experts are their own term: a micro-batch splits into many small
+  per-expert products (T x used/count tokens each) after the routing, which reach a
+  far lower share of the device's FLOPS than one dense product over the active
+  parameters would. Only the last token's logits are computed (llama.cpp outputs
+  one row per sequence), so the output head is one token's work. Each RPC boundary
+  adds one round trip and the batch's activations each way.
 
 Layer split: llama.cpp's own rule (llama-model.cpp load_tensors): the split devices
 are the RPC servers first (in --rpc order), then the head's local GPU; the n_layer
@@ -40,7 +59,7 @@ import struct
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from linkctl.catalog import Device
+from linkctl.catalog import DecodeTerms, Device, PrefillTerms
 from linkctl.errors import InputError
 from linkctl.gguf_info import ModelInfo
 
@@ -102,11 +121,13 @@ class DeviceLoad:
     need_bytes: int
     free_bytes: float
     fits: bool
-    read_bytes_per_token: int
-    compute_us: float  # decode time on this device per token
-    kv_read_us: float
+    read_bytes_per_token: int  # weights + KV at the decode depth
+    compute_us: float  # decode time per token on this device, KV reads excluded
+    kv_read_us: float  # KV-cache reads at the decode depth
     bandwidth_gbs: float
     figures_source: str
+    layer_fixed_us: float = 0.0  # the per-block fixed costs inside compute_us
+    weights_us: float = 0.0  # the weight reads inside compute_us
 
 
 @dataclass
@@ -115,7 +136,7 @@ class Scenario:
     tensor_split: list[int]  # slots per split device, llama.cpp device order
     devices: list[DeviceLoad]
     fits: bool
-    decode_us: float
+    decode_us: float  # per token at the decode depth
     decode_tok_s: float
     prefill_tok_s: float
     network_us: float  # per token: round trips + transfer + rpc overhead
@@ -125,6 +146,9 @@ class Scenario:
     bytes_crossing_per_token: int
     round_trips_per_token: int
     terms_us: dict[str, float] = field(default_factory=dict)
+    depth: int = 0  # context position decode_tok_s is predicted at
+    decode_tok_s_depth0: float = 0.0  # an empty context (llama-bench tg)
+    decode_tok_s_full_ctx: float = 0.0  # the last token of a full --ctx
 
     @property
     def dominant(self) -> str:
@@ -135,6 +159,7 @@ class Scenario:
 class Estimate:
     model: dict[str, Any]
     ctx: int
+    depth: int
     link: LinkFigures | None
     fits_head_alone: bool
     local: Scenario | None
@@ -159,6 +184,7 @@ class Estimate:
         return {
             "model": self.model,
             "ctx": self.ctx,
+            "depth": self.depth,
             "link": asdict(self.link) if self.link else None,
             "fits_head_alone": self.fits_head_alone,
             "local": sc(self.local),
@@ -215,11 +241,123 @@ def slots_from_counts(counts: list[int]) -> list[int | None]:
     return [i for i, c in enumerate(counts) for _ in range(c)]
 
 
+# -- the device terms ----------------------------------------------------------------
+#
+# Work is a vector of features, time is the dot product with the device's
+# coefficients, so scripts/fit_devices.py fits exactly the model the estimate runs.
+
+DECODE_FEATURES = ("blocks", "moe_blocks", "quant_bytes", "f16_bytes", "kv_bytes")
+PREFILL_FEATURES = (
+    "ubatch_blocks",
+    "moe_ubatch_blocks",
+    "dense_quant_flops",
+    "dense_f16_flops",
+    "moe_flops",
+    "attn_flops",
+)
+
+
+def decode_coefs(t: DecodeTerms) -> list[float]:
+    """µs per unit of each DECODE_FEATURES entry."""
+    return [
+        t.layer_us,
+        t.moe_layer_us,
+        1e6 / (t.bw_gbs * 1e9),
+        1e6 / (t.bw_f16_gbs * 1e9),
+        1e6 / (t.kv_bw_gbs * 1e9),
+    ]
+
+
+def decode_terms_from_coefs(c: list[float]) -> DecodeTerms:
+    return DecodeTerms(c[0], c[1], 1e-3 / c[2], 1e-3 / c[3], 1e-3 / c[4])
+
+
+def prefill_coefs(t: PrefillTerms) -> list[float]:
+    return [
+        t.ubatch_layer_us,
+        t.moe_ubatch_layer_us,
+        1e6 / (t.tflops * 1e12),
+        1e6 / (t.tflops_f16 * 1e12),
+        1e6 / (t.moe_tflops * 1e12),
+        1e6 / (t.attn_tflops * 1e12),
+    ]
+
+
+def prefill_terms_from_coefs(c: list[float]) -> PrefillTerms:
+    return PrefillTerms(c[0], c[1], 1e-6 / c[2], 1e-6 / c[3], 1e-6 / c[4], 1e-6 / c[5])
+
+
+def dot(coefs: list[float], feats: list[float]) -> float:
+    return sum(a * b for a, b in zip(coefs, feats, strict=True))
+
+
+def decode_features(
+    model: ModelInfo, layers: list[int], holds_output: bool, depth: float
+) -> list[float]:
+    """DECODE_FEATURES for one token on a device holding ``layers`` (+ the output head)."""
+    st = model.block_stats
+    q = sum(st[il].quant_bytes for il in layers)
+    f = sum(st[il].f16_bytes for il in layers)
+    kv = model.kv_bytes_per_token_per_layer * sum(model.kv_positions(il, depth) for il in layers)
+    moe = sum(1 for il in layers if st[il].moe)
+    if holds_output:
+        oq, of = model.output_split
+        q, f = q + oq, f + of
+    return [float(len(layers)), float(moe), q, f, kv]
+
+
+def prefill_features(
+    model: ModelInfo,
+    layers: list[int],
+    holds_output: bool,
+    n_prompt: int,
+    depth: float = 0,
+    ubatch: int = DEFAULT_UBATCH,
+) -> list[float]:
+    """PREFILL_FEATURES summed over the micro-batches of an ``n_prompt``-token prompt
+    that starts at context position ``depth``."""
+    st = model.block_stats
+    dq = sum(st[il].dense_quant_flops for il in layers)
+    df = sum(st[il].dense_f16_flops for il in layers)
+    mx = sum(st[il].expert_flops for il in layers)
+    moe_blocks = sum(1 for il in layers if st[il].moe)
+    per_pos = 4.0 * model.head_count * (model.key_length or 1)
+    n_mb = max(1, -(-n_prompt // ubatch))
+    out = [0.0] * len(PREFILL_FEATURES)
+    for b in range(n_mb):
+        tokens = min(ubatch, n_prompt - b * ubatch)
+        mid = depth + b * ubatch + tokens / 2  # mean position attended in this micro-batch
+        attn = per_pos * sum(model.kv_positions(il, mid) for il in layers)
+        out[0] += len(layers)
+        out[1] += moe_blocks
+        out[2] += tokens * dq
+        out[3] += tokens * df
+        out[4] += tokens * mx
+        out[5] += tokens * attn
+    if holds_output:  # llama.cpp computes logits for the last token of the prompt only
+        out[2] += 2.0 * model.output_params
+    return out
+
+
+def decode_us(dev: Device, feats: list[float]) -> float:
+    return dot(decode_coefs(dev.decode), feats)
+
+
+def prefill_us(dev: Device, feats: list[float]) -> float:
+    return dot(prefill_coefs(dev.prefill), feats)
+
+
 # -- the model ---------------------------------------------------------------------
 
 
-def _kv_alloc(model: ModelInfo, layers: int, ctx: int) -> int:
-    return model.kv_bytes_per_token_per_layer * ctx * layers
+def _kv_alloc(model: ModelInfo, layers: list[int], ctx: int) -> int:
+    """KV cache llama.cpp allocates for ``layers`` at context ``ctx``: a sliding-window
+    block keeps window + one micro-batch of positions (llama-kv-cache-iswa.cpp)."""
+    swa = model.swa_layers()
+    cap = model.sliding_window + DEFAULT_UBATCH
+    return sum(
+        model.kv_bytes_per_token_per_layer * (min(ctx, cap) if il in swa else ctx) for il in layers
+    )
 
 
 def _device_load(
@@ -228,18 +366,20 @@ def _device_load(
     layers: list[int],
     holds_output: bool,
     ctx: int,
+    depth: float,
     input_layer: bool,
 ) -> DeviceLoad:
-    lb, la = model.layer_bytes(), model.layer_active_bytes()
+    lb = model.layer_bytes()
     weight = sum(lb[i] for i in layers) + (model.output_bytes if holds_output else 0)
     if input_layer:
         weight += model.embedding_bytes
-    kv = _kv_alloc(model, len(layers), ctx)
+    kv = _kv_alloc(model, layers, ctx)
     buffers = FIXED_OVERHEAD_BYTES + (model.vocab_size * 4 * DEFAULT_UBATCH if holds_output else 0)
     need = weight + kv + (buffers if (layers or holds_output) else 0)
-    read_w = sum(la[i] for i in layers) + (model.output_bytes if holds_output else 0)
-    kv_read = model.kv_bytes_per_token_per_layer * ctx * len(layers)
-    bw = p.device.effective_bandwidth_gbs * 1e9
+    feats = decode_features(model, layers, holds_output, depth)
+    c = decode_coefs(p.device.decode)
+    fixed = c[0] * feats[0] + c[1] * feats[1]
+    w_us = c[2] * feats[2] + c[3] * feats[3]
     return DeviceLoad(
         host=p.host,
         device=p.device.key,
@@ -251,11 +391,13 @@ def _device_load(
         need_bytes=need,
         free_bytes=p.free_bytes,
         fits=need <= p.free_bytes,
-        read_bytes_per_token=read_w + kv_read,
-        compute_us=read_w / bw * 1e6,
-        kv_read_us=kv_read / bw * 1e6,
-        bandwidth_gbs=p.device.effective_bandwidth_gbs,
+        read_bytes_per_token=int(feats[2] + feats[3] + feats[4]),
+        compute_us=fixed + w_us,
+        kv_read_us=c[4] * feats[4],
+        bandwidth_gbs=p.device.decode.bw_gbs,
         figures_source=p.device.figures_source,
+        layer_fixed_us=fixed,
+        weights_us=w_us,
     )
 
 
@@ -274,34 +416,25 @@ def _prefill_tok_s(
     n_prompt: int,
     ubatch: int = DEFAULT_UBATCH,
 ) -> float:
-    lp = model.layer_params(active=True)
-    head_dim = model.key_length or 1
-    t_total = 0.0
     n_batches = max(1, -(-n_prompt // ubatch))
-    for b in range(n_batches):
-        tokens = min(ubatch, n_prompt - b * ubatch)
-        ctx_avg = b * ubatch + tokens / 2
-        t = 0.0
-        for d in loads:
-            if not d.slots:
-                continue
-            p = parts[d.host]
-            params = sum(lp[i] for i in d.layers) + (model.output_params if d.holds_output else 0)
-            attn = 4 * model.head_count * head_dim * ctx_avg * len(d.layers)
-            flops = 2 * params * tokens + attn * tokens
-            t_compute = flops / (p.device.effective_tflops * 1e12)
-            # A micro-batch of hundreds of tokens touches (nearly) every expert.
-            t_read = d.weight_bytes / (p.device.effective_bandwidth_gbs * 1e9)
-            t += max(t_compute, t_read)
-            if p.role == "rpc" and link is not None:
+    t_us = 0.0
+    for d in loads:
+        if not d.slots:
+            continue
+        p = parts[d.host]
+        t_us += prefill_us(
+            p.device, prefill_features(model, d.layers, d.holds_output, n_prompt, 0, ubatch)
+        )
+        if p.role == "rpc" and link is not None:
+            for b in range(n_batches):
+                tokens = min(ubatch, n_prompt - b * ubatch)
                 out = (
                     model.vocab_size * 4 if d.holds_output else model.embedding_length * 4 * tokens
                 )
                 cross = model.embedding_length * 4 * tokens + out
-                t += link.rtt_us / 1e6 + cross * 8 / (link.throughput_gbps * 1e9)
-                t += p.rpc_overhead_us / 1e6
-        t_total += t
-    return n_prompt / t_total if t_total > 0 else 0.0
+                t_us += link.rtt_us + cross * 8 / (link.throughput_gbps * 1e9) * 1e6
+                t_us += p.rpc_overhead_us
+    return n_prompt / (t_us / 1e6) if t_us > 0 else 0.0
 
 
 def scenario(
@@ -312,9 +445,13 @@ def scenario(
     ctx: int,
     link: LinkFigures | None,
     n_prompt: int = DEFAULT_PROMPT,
+    depth: int | None = None,
 ) -> Scenario:
     """Figures for one placement. ``slot_dev[i]`` indexes split_devices(parts);
-    None means the head's CPU."""
+    None means the head's CPU. ``ctx`` sizes the KV cache (memory fit, the mask on the
+    wire); decode is predicted at context position ``depth`` (default: right after an
+    ``n_prompt``-token prompt), and also at 0 and at ctx."""
+    depth = min(n_prompt if depth is None else depth, ctx)
     devs = split_devices(parts)
     head = next(p for p in parts if p.role == "head")
     n_layer = model.block_count
@@ -330,7 +467,7 @@ def scenario(
     cpu_out = slot_dev[n_layer] is None
     head_is_split_dev = head in devs
     for p, layers, holds_out in groups:
-        loads.append(_device_load(model, p, layers, holds_out, ctx, input_layer=False))
+        loads.append(_device_load(model, p, layers, holds_out, ctx, depth, input_layer=False))
     if head_is_split_dev:
         # The input embeddings stay on the head's CPU, in the head's (unified) memory.
         hl = next(x for x in loads if x.host == head.host)
@@ -340,7 +477,7 @@ def scenario(
         if cpu_layers or cpu_out:
             raise InputError("layers on the CPU next to a local GPU are not modelled", "use ngl 99")
     else:
-        loads.append(_device_load(model, head, cpu_layers, cpu_out, ctx, input_layer=True))
+        loads.append(_device_load(model, head, cpu_layers, cpu_out, ctx, depth, input_layer=True))
 
     by_host = {p.host: p for p in parts}
     rtt_us = transfer_us = overhead_us = 0.0
@@ -362,8 +499,10 @@ def scenario(
     network = rtt_us + transfer_us + overhead_us
     terms: dict[str, float] = {}
     for d in loads:
-        if d.compute_us:
-            terms[f"weights on {d.host} ({d.device})"] = d.compute_us
+        if d.weights_us:
+            terms[f"weights on {d.host} ({d.device})"] = d.weights_us
+        if d.layer_fixed_us:
+            terms[f"per-block fixed cost on {d.host}"] = d.layer_fixed_us
         if d.kv_read_us:
             terms[f"KV cache on {d.host}"] = d.kv_read_us
     if trips:
@@ -372,6 +511,19 @@ def scenario(
         if overhead_us:
             terms["RPC per-token overhead"] = overhead_us
     decode_us = sum(d.compute_us + d.kv_read_us for d in loads) + network
+
+    def at(pos: float) -> float:
+        """tok/s with the KV reads at context position ``pos`` instead of ``depth``."""
+        t = decode_us
+        for d in loads:
+            if d.layers:
+                c = decode_coefs(by_host[d.host].device.decode)[4]
+                kv = model.kv_bytes_per_token_per_layer * sum(
+                    model.kv_positions(il, pos) for il in d.layers
+                )
+                t += c * kv - d.kv_read_us
+        return 1e6 / t if t > 0 else 0.0
+
     return Scenario(
         name=name,
         tensor_split=counts,
@@ -387,6 +539,9 @@ def scenario(
         bytes_crossing_per_token=crossing,
         round_trips_per_token=trips,
         terms_us=terms,
+        depth=depth,
+        decode_tok_s_depth0=at(0),
+        decode_tok_s_full_ctx=at(ctx),
     )
 
 
@@ -405,6 +560,7 @@ def best_split(
     ctx: int,
     link: LinkFigures | None,
     n_prompt: int = DEFAULT_PROMPT,
+    depth: int | None = None,
 ) -> Scenario | None:
     """The memory-feasible assignment of slots (blocks + output) to split devices
     with the lowest predicted decode time. Exhaustive for up to 3 devices."""
@@ -424,7 +580,7 @@ def best_split(
     best: Scenario | None = None
     for counts in combos:
         sc = scenario(
-            "recommended", model, parts, slots_from_counts(list(counts)), ctx, link, n_prompt
+            "recommended", model, parts, slots_from_counts(list(counts)), ctx, link, n_prompt, depth
         )
         if sc.fits and (best is None or sc.decode_us < best.decode_us):
             best = sc
@@ -439,9 +595,18 @@ def estimate(
     tensor_split: list[float] | None = None,
     ngl: int = 99,
     n_prompt: int = DEFAULT_PROMPT,
+    depth: int | None = None,
 ) -> Estimate:
+    """``ctx`` sizes the KV cache; decode is predicted at context position ``depth``
+    (default: n_prompt, the first token generated after the prompt)."""
     if ctx < 1:
         raise InputError(f"--ctx {ctx}: must be at least 1", "give the context length to plan for")
+    if depth is not None and not 0 <= depth <= ctx:
+        raise InputError(
+            f"--depth {depth}: must be between 0 and --ctx {ctx}",
+            "give the context position to predict decode at",
+        )
+    depth = min(n_prompt, ctx) if depth is None else depth
     head = next(p for p in parts if p.role == "head")
     warnings = list(model.warnings)
     n_layer = model.block_count
@@ -455,7 +620,7 @@ def estimate(
         local_slots = llama_slot_devices(n_layer, [1.0], ngl)
     else:
         local_slots = [None] * (n_layer + 1)
-    local = scenario("local", model, local_parts, local_slots, ctx, None, n_prompt)
+    local = scenario("local", model, local_parts, local_slots, ctx, None, n_prompt, depth)
 
     devs = split_devices(parts)
     split = recommended = None
@@ -472,9 +637,16 @@ def estimate(
         else:
             weights = [p.free_bytes for p in devs]
         split = scenario(
-            "split", model, parts, llama_slot_devices(n_layer, weights, ngl), ctx, link, n_prompt
+            "split",
+            model,
+            parts,
+            llama_slot_devices(n_layer, weights, ngl),
+            ctx,
+            link,
+            n_prompt,
+            depth,
         )
-        recommended = best_split(model, parts, ctx, link, n_prompt)
+        recommended = best_split(model, parts, ctx, link, n_prompt, depth)
 
     total_need = local.devices[0].need_bytes
     total_free = sum(p.free_bytes for p in parts if p.role == "rpc" or p.device.kind == "gpu")
@@ -511,20 +683,16 @@ def estimate(
     ref = split or local
     per_layer = ref.network_us / n_layer if ref.network_us else 0.0
     busiest = max(ref.devices, key=lambda d: len(d.layers))
-    layer_us = (
-        (
-            busiest.compute_us
-            + busiest.kv_read_us
-            - (
-                model.output_bytes / (busiest.bandwidth_gbs * 1e9) * 1e6
-                if busiest.holds_output
-                else 0
-            )
+    if busiest.layers:
+        bdev = next(p for p in parts if p.host == busiest.host).device
+        out_us = (
+            dot(decode_coefs(bdev.decode), decode_features(model, [], True, 0))
+            if busiest.holds_output
+            else 0.0
         )
-        / len(busiest.layers)
-        if busiest.layers
-        else 0.0
-    )
+        layer_us = (busiest.compute_us + busiest.kv_read_us - out_us) / len(busiest.layers)
+    else:
+        layer_us = 0.0
     equiv = ref.network_us / layer_us if layer_us else 0.0
     derivation = (
         "network per layer = network per token / n_layer: the link is crossed a fixed number "
@@ -536,6 +704,7 @@ def estimate(
     return Estimate(
         model=model_d,
         ctx=ctx,
+        depth=depth,
         link=link,
         fits_head_alone=local.fits,
         local=local,

@@ -4,11 +4,16 @@ GGUF header), call the pure model in linkctl.estimate, render the result."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from linkctl.catalog import apply_calibration, get_device, load_calibrations, load_catalog
+from linkctl.catalog import (
+    apply_calibration,
+    get_device,
+    load_calibrations,
+    load_catalog,
+    rpc_role,
+)
 from linkctl.errors import InputError
 from linkctl.estimate import GIB, Estimate, LinkFigures, Participant, estimate, split_devices
 from linkctl.paths import state_dir
@@ -109,18 +114,20 @@ def participants(
         cal = cals.get(h.name) or {}
         overhead = 0.0
         if h.role == "rpc":
-            if cal.get("rpc_effective_bandwidth_gbs"):
+            behind_rpc = rpc_role(dev, cal)
+            if behind_rpc is not None:
                 # Measured behind a loopback RPC boundary: the RPC processing cost is in it.
-                dev = replace(
-                    dev, calibrated_bandwidth_gbs=float(cal["rpc_effective_bandwidth_gbs"])
-                )
+                dev = behind_rpc
             else:
                 notes.append(
                     f"{h.name}: not calibrated as an RPC device (run `linkctl calibrate --rpc` "
                     "there): RPC processing cost not counted"
                 )
-        if not dev.calibrated_bandwidth_gbs:
-            notes.append(f"{h.name}: catalog figures for {dev.key} (not calibrated on this host)")
+        if not dev.calibrated:
+            notes.append(
+                f"{h.name}: catalog terms for {dev.key} ({dev.fit.get('summary', 'catalog')}; "
+                "not calibrated on this host)"
+            )
         out.append(Participant(h.name, h.role, dev, free, free_src, overhead))
     return out, notes
 
@@ -149,6 +156,7 @@ def run_estimate(
     throughput_gbps: float | None = None,
     query_rpc: bool = False,
     calibration: list[Path] | None = None,
+    depth: int | None = None,
 ) -> Estimate:
     from linkctl.gguf_info import read_model
 
@@ -165,6 +173,7 @@ def run_estimate(
         parse_split(tensor_split),
         ngl=prof.serve.ngl,
         n_prompt=prompt,
+        depth=depth,
     )
     est.warnings += notes
     est.model["split_order"] = [p.host for p in split_devices(parts)]
@@ -212,6 +221,13 @@ def render(est: Estimate) -> None:
         note = "" if sc.fits else "  [red]does not fit[/]"
         split = ",".join(map(str, sc.tensor_split)) if sc.name != "local" else "-"
         console.print(f"{label:22}{sc.decode_tok_s:>14.1f}{sc.prefill_tok_s:>15.0f}  {split}{note}")
+    console.print(
+        f"[dim]decode at context position {est.depth} (--depth; default: right after the "
+        f"--prompt); prefill of the --prompt tokens[/]"
+    )
+    console.print(f"{'decode by depth':22}{'at 0':>14}{f'at {est.ctx} (full)':>15}")
+    for label, sc in rows:
+        console.print(f"{label:22}{sc.decode_tok_s_depth0:>14.1f}{sc.decode_tok_s_full_ctx:>15.1f}")
     if est.split:
         s = est.split
         console.print()

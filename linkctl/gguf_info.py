@@ -19,7 +19,7 @@ import os
 import re
 import struct
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, cached_property
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,8 @@ _SCALAR = {
 _STRING, _ARRAY = 8, 9
 
 _U64 = struct.Struct("<Q")
+# Sliding-window attention pattern per architecture (see ModelInfo.swa_layers).
+SWA_PATTERN = {"gpt-oss": 2, "gemma3": 6}
 _BLK_RE = re.compile(r"^blk\.(\d+)\.")
 
 
@@ -137,6 +139,24 @@ def tensor_nbytes(shape: tuple[int, ...], type_id: int, name: str = "?") -> int:
     return n // block * tsize
 
 
+# ggml types that are not quantized (F32, F16, BF16): decode reads them at another
+# effective bandwidth than block-quantized weights.
+UNQUANTIZED_TYPES = frozenset({0, 1, 30})
+
+
+@dataclass(frozen=True)
+class BlockStats:
+    """What one block costs one token: bytes read (routed experts scaled to the share
+    used per token), split quantized / unquantized, and matrix-product FLOPs."""
+
+    quant_bytes: float
+    f16_bytes: float
+    dense_quant_flops: float
+    dense_f16_flops: float
+    expert_flops: float  # routed experts in use
+    moe: bool
+
+
 @dataclass
 class ModelInfo:
     path: str
@@ -160,6 +180,55 @@ class ModelInfo:
     data_present: bool  # file holds all tensor data (False for header-only files)
     warnings: list[str] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict, repr=False)
+    sliding_window: int = 0  # {arch}.attention.sliding_window; 0: every layer attends fully
+
+    @cached_property
+    def block_stats(self) -> list[BlockStats]:
+        frac = self.expert_used_count / self.expert_count if self.expert_count else 1.0
+        acc = [[0.0] * 5 + [False] for _ in range(self.block_count)]
+        for t in self.tensors:
+            li = t.layer
+            if li is None or li >= self.block_count:
+                continue
+            a = acc[li]
+            share = frac if t.is_expert else 1.0
+            a[1 if t.type_id in UNQUANTIZED_TYPES else 0] += t.nbytes * share
+            if len(t.shape) >= 2:
+                if t.is_expert:
+                    a[4] += 2.0 * t.nelements * frac
+                    a[5] = True
+                else:
+                    a[3 if t.type_id in UNQUANTIZED_TYPES else 2] += 2.0 * t.nelements
+        return [BlockStats(*a) for a in acc]
+
+    @property
+    def output_split(self) -> tuple[int, int]:
+        """(quantized, unquantized) bytes of the output head (output_bytes)."""
+        own = [t for t in self.tensors if t.layer is None and t.name.startswith("output")]
+        if not any(t.name == "output.weight" for t in self.tensors):
+            own += [t for t in self.tensors if t.name.startswith("token_embd")]
+        f = sum(t.nbytes for t in own if t.type_id in UNQUANTIZED_TYPES)
+        return sum(t.nbytes for t in own) - f, f
+
+    @cached_property
+    def _swa(self) -> frozenset[int]:
+        n = SWA_PATTERN.get(self.architecture)
+        if not self.sliding_window or not n:
+            return frozenset()
+        return frozenset(il for il in range(self.block_count) if il % n < n - 1)
+
+    def swa_layers(self) -> frozenset[int]:
+        """Blocks whose attention sees only the last ``sliding_window`` positions.
+        llama.cpp (llama-model.cpp load_hparams, hparams.set_swa_pattern(n)): in every run
+        of n blocks the first n-1 use the window and the n-th attends fully; gpt-oss
+        alternates (n = 2), gemma3 has 5 local blocks per global one (n = 6)."""
+        return self._swa
+
+    def kv_positions(self, layer: int, depth: float) -> float:
+        """Cached positions block ``layer`` reads at context position ``depth``."""
+        if layer in self._swa:
+            return min(depth, self.sliding_window)
+        return depth
 
     # -- sizes -----------------------------------------------------------------
     @property
@@ -654,4 +723,5 @@ def read_model(path: str | os.PathLike) -> ModelInfo:
         data_present=data_present,
         warnings=warnings,
         metadata={k: v for k, v in meta.items() if not isinstance(v, _SkippedArray | list)},
+        sliding_window=num("attention.sliding_window") or 0,
     )

@@ -8,7 +8,7 @@ import pytest
 from conftest import linkctl
 from ggufshapes import LLAMA_7B, LLAMA_70B, QWEN3_235B_A22B, write_header_only
 
-from linkctl.catalog import Device, load_catalog
+from linkctl.catalog import DecodeTerms, Device, PrefillTerms, load_catalog
 from linkctl.errors import InputError
 from linkctl.estimate import (
     GIB,
@@ -24,17 +24,22 @@ from linkctl.estimate import (
 from linkctl.gguf_info import read_model
 
 
-def dev(key: str, bw_gbs: float, kind: str = "gpu", tflops: float = 10.0) -> Device:
+def dev(
+    key: str, bw_gbs: float, kind: str = "gpu", tflops: float = 10.0, layer_us: float = 0.0
+) -> Device:
     return Device(
         key=key,
         name=key,
         kind=kind,
+        family="cpu",
         memory_gb=1,
         mem_bandwidth_gbs=bw_gbs,
         fp16_tflops=tflops,
         usable_fraction=1.0,
         efficiency=1.0,
         compute_efficiency=1.0,
+        decode=DecodeTerms(layer_us, 0.0, bw_gbs, bw_gbs, bw_gbs),
+        prefill=PrefillTerms(0.0, 0.0, tflops, tflops, tflops, tflops),
     )
 
 
@@ -128,8 +133,8 @@ def test_kv_reads_grow_with_context(models):
     m = models["70b"]
     parts = pair()
     slots = slots_from_counts([40, 41])
-    a = scenario("s", m, parts, slots, 1000, LINK)
-    b = scenario("s", m, parts, slots, 5000, LINK)
+    a = scenario("s", m, parts, slots, 1000, LINK, depth=1000)
+    b = scenario("s", m, parts, slots, 5000, LINK, depth=5000)
     per_layer = m.kv_bytes_per_token_per_layer * 4000
     expect = per_layer * 40 / 200e9 * 1e6 + per_layer * 40 / 400e9 * 1e6
     expect += 4 * 4000 * 8 / 10e9 * 1e6  # the attention mask row on the wire
@@ -230,8 +235,10 @@ def test_catalog_has_required_devices_with_sources():
         "cpu",
     ):
         d = cat[key]
-        assert 0 < d.efficiency <= 1 and d.mem_bandwidth_gbs > 0
+        assert 0 < d.decode.bw_gbs <= d.mem_bandwidth_gbs * 1.5 and d.decode.layer_us >= 0
+        assert d.prefill.tflops > 0
         assert all(d.sources[f] for f in ("mem_bandwidth_gbs", "efficiency"))
+        assert d.fit["summary"].startswith(("fitted", "assumed"))
     assert cat["cpu"].kind == "cpu"
 
 

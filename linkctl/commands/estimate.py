@@ -44,7 +44,7 @@ def register(app: typer.Typer) -> None:
             int | None,
             typer.Option(
                 "--ctx",
-                help="Context length to plan for: KV cache size and reads "
+                help="Context length to allocate: sizes the KV cache for the memory fit "
                 "(default: the profile's serve.ctx).",
                 show_default=False,
             ),
@@ -52,6 +52,16 @@ def register(app: typer.Typer) -> None:
         prompt: Annotated[
             int, typer.Option("--prompt", help="Prompt tokens for the prefill estimate.")
         ] = 512,
+        depth: Annotated[
+            int | None,
+            typer.Option(
+                "--depth",
+                help="Context position decode is predicted at: KV-cache reads per token "
+                "(default: --prompt, the first token after the prompt). Decode at 0 and at "
+                "the full --ctx is shown too.",
+                show_default=False,
+            ),
+        ] = None,
         rtt_us: Annotated[
             float | None,
             typer.Option(
@@ -88,7 +98,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Predict decode and prefill tokens/s locally and split over the link.
 
-        Example: linkctl estimate --model /models/qwen3-235b-q4.gguf --ctx 8192
+        Example: linkctl estimate --model /models/qwen3-235b-q4.gguf --ctx 32768 --depth 8192
         """
         from linkctl.estimate_run import render, run_estimate
 
@@ -104,6 +114,7 @@ def register(app: typer.Typer) -> None:
             throughput_gbps=throughput_gbps,
             query_rpc=query_rpc,
             calibration=calibration or [],
+            depth=depth,
         )
         if json_out:
             from linkctl.output import print_json

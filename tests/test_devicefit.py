@@ -1,0 +1,85 @@
+"""The device catalog is fitted from the public benchmark rows, reproducibly, and the
+fit is the estimator's own model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from linkctl.catalog import fit_path, load_catalog, load_spec
+from linkctl.devicefit import (
+    fit_all,
+    load_rows,
+    predict_us,
+    render_fit_toml,
+    row_model,
+    row_time_us,
+)
+from linkctl.estimate import GIB, Participant, estimate
+from linkctl.paths import REPO_ROOT
+
+
+def test_fit_script_reproduces_the_shipped_catalog(tmp_path):
+    out = tmp_path / "fit.toml"
+    r = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "scripts" / "fit_devices.py"), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert out.read_text() == fit_path().read_text(), "re-run scripts/fit_devices.py"
+
+
+def test_every_row_is_sourced_and_its_shape_matches_the_published_size():
+    rows = load_rows()
+    assert len(rows) >= 60
+    for r in rows:
+        assert r.url.startswith("https://github.com/"), r
+        got = row_model(r).total_bytes / GIB
+        assert got == pytest.approx(r.size_gib, rel=0.02), (r.label, got)
+    devices = {r.device for r in rows if not r.exclude}
+    assert {"gb10", "m2-ultra"} <= devices
+    for dev in ("gb10", "m2-ultra"):
+        mine = [r for r in rows if r.device == dev and not r.exclude]
+        assert len({r.model for r in mine}) >= 3
+        assert len({r.quant.split("+")[0] for r in mine}) >= 2
+        assert any(row_model(r).is_moe for r in mine) and any(r.kind == "decode" for r in mine)
+    assert all(r.exclude for r in rows if r.exclude is not None)
+
+
+def test_fit_recovers_known_terms_from_synthetic_rows():
+    """Rows generated from known terms through the estimator fit back to those terms."""
+    rows = [r for r in load_rows() if r.device == "gb10" and not r.exclude]
+    spec = load_spec()
+    truth = fit_all(rows, spec)["gb10"]
+    truth.decode = [30.0, 12.0, 1e6 / 250e9, 1e6 / 250e9, 1e6 / 180e9]
+    synth = [replace(r, tok_s=r.tok_s * row_time_us(r) / predict_us(truth, r)) for r in rows]
+    got = fit_all(synth, spec)["gb10"]
+    for a, b in zip(got.decode, truth.decode, strict=True):
+        assert a == pytest.approx(b, rel=1e-3)
+    for r in synth:
+        assert predict_us(got, r) == pytest.approx(row_time_us(r), rel=1e-3)
+
+
+def test_the_catalog_predicts_a_row_exactly_as_the_estimate_does():
+    """A row's fitted prediction is what `linkctl estimate` says for that model alone."""
+    cat = load_catalog()
+    fits = fit_all(load_rows(), load_spec())
+    row = next(r for r in load_rows() if r.model == "gpt-oss-120b" and r.test == "tg32")
+    m = row_model(row)
+    head = Participant("spark", "head", cat["gb10"], 120 * GIB)
+    est = estimate(m, [head], None, ctx=4096, depth=int(row.depth + row.n / 2), n_prompt=512)
+    assert 1e6 / est.local.decode_tok_s == pytest.approx(predict_us(fits["gb10"], row), rel=1e-4)
+
+
+def test_devices_without_rows_are_marked_assumed():
+    cat = load_catalog()
+    assert cat["h200"].fit["summary"].startswith("assumed")
+    assert "assumed" in cat["h200"].fit["decode"]
+    assert cat["gb10"].fit["summary"].startswith("fitted")
+    text = render_fit_toml(fit_all(load_rows(), load_spec()), load_rows())
+    assert "[m2-ultra.notes]" in text
