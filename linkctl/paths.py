@@ -1,11 +1,23 @@
-"""Where linkctl keeps its state and finds its profiles."""
+"""Where linkctl keeps its state and finds its profiles and shipped data."""
 
 from __future__ import annotations
 
 import os
+from importlib import resources
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+# Profiles installed by `linkctl service install` live here; also searched by name.
+SYSTEM_PROFILE_DIR = Path("/etc/linkctl/profiles")
+
+
+def shipped(*parts: str) -> Path:
+    """A file or directory shipped inside the package (linkctl/data/...).
+
+    Found through importlib.resources, so it is the same for a checkout, an
+    editable install and a wheel installed anywhere; pip always unpacks wheels,
+    so the resource is a real path.
+    """
+    return Path(str(resources.files("linkctl").joinpath("data", *parts)))
 
 
 def state_dir() -> Path:
@@ -23,10 +35,17 @@ def state_dir() -> Path:
     return Path(base) / "linkctl"
 
 
+def user_profile_dir() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "linkctl" / "profiles"
+
+
 def profile_dirs() -> list[Path]:
+    """Where `--profile NAME` looks, first match wins: $LINKCTL_PROFILES, the user's
+    ~/.config/linkctl/profiles, the system's /etc/linkctl/profiles, then the shipped ones."""
     dirs = []
     env = os.environ.get("LINKCTL_PROFILES")
     if env:
         dirs.append(Path(env))
-    dirs += [REPO_ROOT / "profiles", Path("/etc/linkctl/profiles")]
+    dirs += [user_profile_dir(), SYSTEM_PROFILE_DIR, shipped("profiles")]
     return dirs

@@ -1,8 +1,8 @@
 """Boot-time services: systemd units (Linux) and launchd daemons (macOS).
 
 ``render`` is pure: profile + host + paths in, {absolute target path: file text}
-out, from the templates in ``systemd/`` and ``launchd/``. ``install`` writes that
-set into a root directory (``/`` is the real system) with every check first
+out, from the templates shipped in ``linkctl/data/systemd/`` and ``linkctl/data/launchd/``.
+``install`` writes that set into a root directory (``/`` is the real system) with every check first
 (refuse, exit 2, nothing written), backups of anything foreign it overwrites
 (``FILE.linkctl-bak``), idempotency by content, and a manifest so that
 ``uninstall`` puts the root back exactly as it was. Only when the root is ``/``
@@ -33,14 +33,14 @@ from typing import Any
 from xml.sax.saxutils import escape as xml_escape
 
 from linkctl.errors import InputError
-from linkctl.paths import REPO_ROOT
+from linkctl.paths import SYSTEM_PROFILE_DIR, shipped
 from linkctl.profile import HostSpec, Profile
 from linkctl.runner import Runner, default_runner
 
 UNIT_DIR = "/etc/systemd/system"
 LAUNCHD_DIR = "/Library/LaunchDaemons"
 LAUNCHD_LOG_DIR = "/Library/Logs"
-PROFILE_DIR = "/etc/linkctl/profiles"
+PROFILE_DIR = str(SYSTEM_PROFILE_DIR)
 MANIFEST = "/var/lib/linkctl/service/manifest.json"
 STATE_DIR = "/var/lib/linkctl"
 BACKUP_SUFFIX = ".linkctl-bak"
@@ -55,12 +55,12 @@ RPC_NAMES = ("ggml-rpc-server", "rpc-server")
 
 
 def template_dir(kind: str) -> Path:
-    """systemd/ or launchd/ next to the package (the repository or an editable install)."""
-    d = REPO_ROOT / kind
+    """The shipped systemd/ or launchd/ templates (package data, linkctl/data/)."""
+    d = shipped(kind)
     if not d.is_dir():
         raise InputError(
             f"service templates not found at {d}",
-            "run linkctl from its source tree (pip install -e .)",
+            "reinstall linkctl: the package is missing its data files",
         )
     return d
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+PROFILES = REPO / "linkctl" / "data" / "profiles"  # the shipped profiles
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 

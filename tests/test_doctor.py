@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import tomli_w
-from conftest import linkctl, ns_snapshot
+from conftest import PROFILES, linkctl, ns_snapshot
 from llama_util import need_llama, start_fake, stop
 
 from linkctl import doctor
@@ -165,7 +165,7 @@ def mac_of(lab, host: str) -> str:
 
 def test_bad_profile_is_one_line_and_exit_2(tmp_path):
     bad = tmp_path / "bad.toml"
-    text = (Path(__file__).parent.parent / "profiles" / "dgx-mac.toml").read_text()
+    text = (PROFILES / "dgx-mac.toml").read_text()
     bad.write_text(text.replace("mtu = 9000", "mtu = 99999"))
     r = linkctl("doctor", "--profile", str(bad))
     assert r.returncode == 2, r.stdout + r.stderr

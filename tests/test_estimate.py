@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import linkctl
+from conftest import PROFILES, linkctl
 from ggufshapes import LLAMA_7B, LLAMA_70B, QWEN3_235B_A22B, write_header_only
 
 from linkctl.catalog import DecodeTerms, Device, PrefillTerms, load_catalog
@@ -345,7 +345,7 @@ def test_cli_too_large_for_every_device(tmp_path, env):
     p = write_header_only(tmp_path / "moe.gguf", QWEN3_235B_A22B)
     prof = tmp_path / "small.toml"
     prof.write_text(
-        (__import__("linkctl.paths").paths.REPO_ROOT / "profiles" / "dgx-mac.toml")
+        (PROFILES / "dgx-mac.toml")
         .read_text()
         .replace("memory_gb = 128", "memory_gb = 32")
     )

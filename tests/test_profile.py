@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import tomli_w
-from conftest import REPO, linkctl, ns_snapshot
+from conftest import PROFILES, linkctl, ns_snapshot
 
 from linkctl.errors import InputError
 from linkctl.profile import load_profile, parse_profile
 
-BASE = tomllib.loads((REPO / "profiles" / "dgx-mac.toml").read_text())
+BASE = tomllib.loads((PROFILES / "dgx-mac.toml").read_text())
 
 
 def test_shipped_profiles_validate():
@@ -32,9 +32,37 @@ def test_shipped_profiles_validate():
     )
     assert two.link.mtu == 9000 and two.serve.port == 9999 and two.serve.ctx == 4096
     assert two.serve.ngl == 99
-    three, _ = load_profile(str(REPO / "profiles" / "dgx2-mac-switch.toml"))
+    three, _ = load_profile(str(PROFILES / "dgx2-mac-switch.toml"))
     assert len(three.rpc_hosts) == 2 and three.head.name == "mac"
     assert dgx.rpc_bind == "192.168.100.2"
+
+
+def test_profile_names_search_user_then_system_then_shipped(tmp_path, monkeypatch):
+    """--profile NAME: ~/.config/linkctl/profiles, then /etc/linkctl/profiles, then the
+    profiles shipped in the package; the first match wins, and a miss names every place."""
+    from linkctl import paths
+
+    monkeypatch.delenv("LINKCTL_PROFILES", raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setattr(paths, "SYSTEM_PROFILE_DIR", tmp_path / "etc")
+    user, system = tmp_path / "config/linkctl/profiles", tmp_path / "etc"
+
+    def write(d: Path, description: str) -> None:
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "dgx-mac.toml").write_text(tomli_w.dumps({**BASE, "description": description}))
+
+    prof, path = load_profile("dgx-mac")
+    assert path == PROFILES / "dgx-mac.toml" and prof.description == BASE["description"]
+    write(system, "system copy")
+    prof, path = load_profile("dgx-mac")
+    assert (path, prof.description) == (system / "dgx-mac.toml", "system copy")
+    write(user, "user copy")
+    prof, path = load_profile("dgx-mac")
+    assert (path, prof.description) == (user / "dgx-mac.toml", "user copy")
+    with pytest.raises(InputError) as e:
+        load_profile("no-such-link")
+    assert all(str(d) in e.value.message for d in (user, system, PROFILES))
+    assert "dgx2-mac-switch" in e.value.fix
 
 
 def test_profile_check_cli_prints_resolved_profile():

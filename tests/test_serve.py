@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, linkctl
+from conftest import PROFILES, linkctl
 
 from linkctl import serve as sv
 from linkctl.errors import CheckFailed, InputError
@@ -94,7 +94,7 @@ def test_plan_two_rpc_hosts_tensor_split_and_options(tmp_path):
 
 
 def test_wildcard_bind_refused_by_profile_and_by_plan(tmp_path):
-    src = (REPO / "profiles" / "dgx-mac.toml").read_text()
+    src = (PROFILES / "dgx-mac.toml").read_text()
     bad = tmp_path / "wild.toml"
     bad.write_text(src.replace("port = 50052", 'port = 50052\nbind = "0.0.0.0"'))
     r = linkctl("serve", "--profile", str(bad), "--host", "dgx", "--dry-run")

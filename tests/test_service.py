@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 import tomli_w
-from conftest import REPO, linkctl, need_tool, ns_snapshot
+from conftest import PROFILES as SHIPPED_PROFILES
+from conftest import linkctl, need_tool, ns_snapshot
 
 from linkctl import service as svc
 from linkctl.profile import load_profile, parse_profile
@@ -394,7 +395,7 @@ def test_accepts_the_old_rpc_server_name(tmp_path):
 def test_refuses_a_profile_that_does_not_validate(tmp_path):
     root = make_target(tmp_path / "root")
     bad = tmp_path / "bad.toml"
-    data = tomllib.loads((REPO / "profiles/dgx-mac.toml").read_text())
+    data = tomllib.loads((SHIPPED_PROFILES / "dgx-mac.toml").read_text())
     data["hosts"][0]["rpc"]["bind"] = "0.0.0.0"  # a wildcard rpc-server: refused
     bad.write_text(tomli_w.dumps(data))
     before = tree(root)

@@ -14,7 +14,8 @@ ProfileOpt = Annotated[
     typer.Option(
         "--profile",
         "-p",
-        help="Profile name from profiles/ or a path to a .toml "
+        help="Profile name (searched in ~/.config/linkctl/profiles, /etc/linkctl/profiles, "
+        "then the shipped ones) or a path to a .toml "
         f"(default: $LINKCTL_PROFILE, else {DEFAULT_PROFILE}).",
         show_default=False,
     ),

@@ -17,6 +17,19 @@ lab_app = typer.Typer(
 NameOpt = Annotated[str, typer.Option("--name", help="Lab name (namespaces are lk-NAME-HOST).")]
 
 
+@lab_app.callback()
+def _linux_only() -> None:
+    # Network namespaces and pyroute2 exist only on Linux (pyroute2 is not installed
+    # elsewhere: see its environment marker in pyproject.toml).
+    if not sys.platform.startswith("linux"):
+        from linkctl.errors import InputError
+
+        raise InputError(
+            f"linkctl lab needs Linux network namespaces; this is {sys.platform}",
+            "run the lab on a Linux machine (the Mac side is covered by setup --dry-run)",
+        )
+
+
 @lab_app.command("up")
 def lab_up(profile: ProfileOpt = None, name: NameOpt = "lab", json_: JsonOpt = False) -> None:
     """Create one namespace per profile host, the link between them, and a wifi router.

@@ -20,7 +20,9 @@ def profile_check(
 ) -> None:
     """Validate a profile and print it resolved (defaults filled in).
 
-    Example: linkctl profile check profiles/dgx-mac.toml
+    Examples:
+      linkctl profile check dgx-mac
+      linkctl profile check ./my-link.toml
     """
     prof, path = load(file)
     data = prof.to_toml_dict()
