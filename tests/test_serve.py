@@ -243,7 +243,7 @@ def test_recommended_without_a_probe_report(tmp_path, split_env):
 
 def test_profile_serve_split_is_used(tmp_path, split_env):
     env, model = split_env
-    src = (REPO / "profiles" / "dgx-mac.toml").read_text()
+    src = (PROFILES / "dgx-mac.toml").read_text()
     prof = tmp_path / "p.toml"
     prof.write_text(src.replace("ngl = 99", 'ngl = 99\nsplit = "3,1"'))
     r = linkctl(
