@@ -345,9 +345,7 @@ def test_cli_too_large_for_every_device(tmp_path, env):
     p = write_header_only(tmp_path / "moe.gguf", QWEN3_235B_A22B)
     prof = tmp_path / "small.toml"
     prof.write_text(
-        (PROFILES / "dgx-mac.toml")
-        .read_text()
-        .replace("memory_gb = 128", "memory_gb = 32")
+        (PROFILES / "dgx-mac.toml").read_text().replace("memory_gb = 128", "memory_gb = 32")
     )
     r = linkctl(
         "estimate",
