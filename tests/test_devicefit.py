@@ -8,6 +8,7 @@ import sys
 from dataclasses import replace
 
 import pytest
+from conftest import REPO
 
 from linkctl.catalog import fit_path, load_catalog, load_spec
 from linkctl.devicefit import (
@@ -19,13 +20,12 @@ from linkctl.devicefit import (
     row_time_us,
 )
 from linkctl.estimate import GIB, Participant, estimate
-from linkctl.paths import REPO_ROOT
 
 
 def test_fit_script_reproduces_the_shipped_catalog(tmp_path):
     out = tmp_path / "fit.toml"
     r = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "scripts" / "fit_devices.py"), "--out", str(out)],
+        [sys.executable, str(REPO / "scripts" / "fit_devices.py"), "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=120,
