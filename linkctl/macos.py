@@ -20,9 +20,11 @@ What setup does on the Mac end (service "Ethernet" on en0 as an example):
    -interface en0`` is applied and recorded, and teardown deletes it), and warn
    when the media line shows less than the profile's speed.
 
-The service order is never changed: if the link's service is ahead of the one
-that carries the default route, setup refuses and prints the
-``-ordernetworkservices`` command for the owner to run.
+The service order is never changed, and need not be: the link's service gets no
+router, and configd neither installs a default route for a routerless service nor
+lets it become primary, wherever it sits in the order (``_note_service_order``).
+The post-apply check proves it (the default route is the same as before, else the
+transaction rolls back).
 """
 
 from __future__ import annotations
@@ -251,30 +253,25 @@ class MacBackend:
             )
         return svc
 
-    def _check_service_order(self, svc: NetworkService, plan: Plan) -> None:
-        """Refuse when the link's service ranks ahead of the default route's service:
-        with an address on it, macOS could make it primary and move the default route."""
+    def _note_service_order(self, svc: NetworkService, plan: Plan) -> None:
+        """Say so when the link's service ranks ahead of the default route's service
+        (the Mac Studio's usual order: built-in Ethernet first). It does not move the
+        default route: configd (apple-oss-distributions/configd, configd-1405.100.8,
+        Plugins/IPMonitor/ip_plugin.c) adds a service's default route only when it has
+        a router (IPv4RouteListCreateWithDictionary: ``add_default`` needs
+        ``router.s_addr != 0``; without one the rank is demoted to RankLast), and
+        elect_ip() marks a service with no default route "ineligible to become
+        primary". setup configures the link with no router."""
         default = self.default_route()
         if default is None or default.ifname == svc.device:
             return
         primary = self.service_of(default.ifname or "")
-        if primary is None or not primary.enabled:
+        if primary is not None and svc.position < primary.position:
             plan.notes.append(
-                f"the default route leaves through {default.ifname}, which has no enabled "
-                "network service (a VPN?); service order not checked"
-            )
-            return
-        if svc.position < primary.position:
-            names = [s.name for s in self.services()]
-            names.remove(primary.name)
-            names.insert(names.index(svc.name), primary.name)
-            raise InputError(
                 f"network service {svc.name!r} ({svc.device}) is ahead of {primary.name!r} "
                 f"({primary.device}), which carries the default route, in the service order; "
-                "with an address on it macOS may move the default route to the link, "
-                "and linkctl does not reorder services by itself",
-                "put the default route's service first, e.g. sudo networksetup "
-                f"-ordernetworkservices {shlex.join(names)}",
+                "with no router macOS installs no default route for it and never makes it "
+                "primary, and setup checks after applying that the default route is unchanged"
             )
 
     def _restore_argv(self, svc: str, info: ServiceInfo) -> list[str]:
@@ -344,7 +341,7 @@ class MacBackend:
                 )
             )
         if not config_ok or not facts.has_address(str(host.address)):
-            self._check_service_order(svc, plan)
+            self._note_service_order(svc, plan)
             before = self._restore_argv(svc.name, info)
             was = info.header or "IPv4 off"
             if info.ip:

@@ -417,13 +417,38 @@ def test_not_root(prof, mac, _isolated):
     assert "rolled back" in e.message  # the transaction stopped at its first change
 
 
-def test_link_service_ahead_of_the_default_routes_service(prof, mac):
-    r = mac_studio(order="networksetup-listnetworkserviceorder-ethernet-first-constructed.txt")
-    e = expect_input_error(prof, mac, r)
-    assert "'Ethernet' (en0) is ahead of 'Wi-Fi' (en1)" in e.message
-    assert "linkctl does not reorder" in e.message
-    assert e.fix.endswith("-ordernetworkservices Wi-Fi Ethernet FireWire")
+ETHERNET_FIRST = "networksetup-listnetworkserviceorder-ethernet-first-constructed.txt"
+
+
+def test_link_service_ahead_of_the_default_routes_service_sets_up(prof, mac):
+    """Ethernet above Wi-Fi (the Mac Studio's usual order): the link's service gets no
+    router, so configd gives it no default route (ip_plugin.c); setup goes ahead, says
+    why in a note, never reorders, and the default route is the same after apply."""
+    r = mac_studio(order=ETHERNET_FIRST)
+    res = link.setup(prof, mac, backend(r))
+    assert cmds(r) == SETUP
     assert not any("-ordernetworkservices" in c for c in cmds(r))
+    (note,) = [n for n in res.plan.notes if "service order" in n]
+    assert "'Ethernet' (en0) is ahead of 'Wi-Fi' (en1)" in note and "no router" in note
+    assert (res.default_route.ifname, res.default_route.gateway) == ("en1", "192.168.68.1")
+
+
+def test_ethernet_first_still_rolls_back_when_the_default_route_moves(prof, mac):
+    """The post-apply proof is what guards the order: a recorded default route on en0
+    after -setmanual (a real `route -n get default` output) undoes everything."""
+    r = mac_studio(order=ETHERNET_FIRST)
+    r.after[argv(SETMANUAL)] = {
+        **CONFIGURED,
+        argv("route -n get default"): out("route-n-get-default.txt"),
+    }
+    r.after[argv(SETDHCP)][argv("route -n get default")] = out(
+        "route-n-get-default-en1-constructed.txt"
+    )
+    with pytest.raises(CheckFailed) as e:
+        link.setup(prof, mac, backend(r))
+    assert "default route changed" in e.value.message and "rolled back" in e.value.message
+    assert r.changes() == [SETMTU, SETMANUAL, SETDHCP, MTU_BACK]
+    assert r.unexpected == []
 
 
 def test_no_carrier(prof, mac):

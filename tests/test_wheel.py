@@ -229,7 +229,8 @@ def test_setup_dry_run_on_the_mac_replay(installed, tmp_path):
     venv, env, work = installed
     out = tmp_path / "result.json"
     script = tmp_path / "replay.py"
-    order = "networksetup-listnetworkserviceorder-wifi-first.txt"
+    # Ethernet above Wi-Fi, the Mac Studio's usual order: the plan, exit 0.
+    order = "networksetup-listnetworkserviceorder-ethernet-first-constructed.txt"
     script.write_text(BLOCK_PYROUTE2 + REPLAY.format(tests=str(TESTS), order=order, out=str(out)))
     r = subprocess.run(
         [venv / "bin/python", script],
@@ -246,4 +247,5 @@ def test_setup_dry_run_on_the_mac_replay(installed, tmp_path):
     assert res["linux_modules"] == []
     plan = json.loads(r.stdout)
     assert plan["dry_run"] and [c["summary"] for c in plan["plan"]["changes"]]
+    assert any("is ahead of 'Wi-Fi'" in n for n in plan["plan"]["notes"])
     assert os.path.basename(res["package"]) == "__init__.py"
