@@ -6,12 +6,14 @@
    ``timings`` give decode tok/s (predicted_per_second) and prefill tok/s
    (prompt_per_second); the fastest run is kept (other load on the host only
    ever slows a run down, so the fastest is the least disturbed).
-2. effective decode bandwidth = bytes read per token x decode tok/s, with bytes
-   per token from the GGUF header exactly as the estimate counts them (active
-   weights + output head + KV cache at the mean context of the run). Per-token
-   fixed costs (sampling, graph launch) are folded into this figure, as they are
-   in any real decode on this host.
-3. effective prefill compute = FLOPs per prompt token x prefill tok/s.
+2. The two decode terms, per-block cost and effective bandwidth, are solved from
+   two models (or more) of different shape: t = blocks x layer_us + bytes / bw for
+   each, bytes per token from the GGUF header exactly as the estimate counts them
+   (active weights + output head + KV cache at the mean context of the run). The
+   models are the given --model(s) plus generated ones (linkctl.tinymodel: 24 thin
+   blocks, 2 wide blocks) until two differ in blocks per byte.
+3. effective prefill compute = FLOPs per prompt x prefill tok/s, on the model
+   with the most FLOPs.
 4. ``--rpc``: the same model through a ggml-rpc-server on 127.0.0.1 (all layers
    on the RPC device), as this host works when it is the rpc end of a split.
    Its per-token time minus the loopback round trip (timed with
@@ -27,6 +29,7 @@ The record goes to state_dir()/calibration.json under this host's profile name.
 from __future__ import annotations
 
 import json
+import math
 import socket
 import statistics
 import struct
@@ -41,6 +44,7 @@ from typing import Any
 from linkctl.errors import CheckFailed, InputError
 from linkctl.profile import Profile
 from linkctl.runner import Runner, default_runner
+from linkctl.tinymodel import TinySpec
 
 PROMPT_WORDS = (
     "the link between two machines carries activations for every token and every layer "
@@ -156,21 +160,6 @@ def rpc_rtt_us(port: int, n: int = 200, host: str = "127.0.0.1") -> float:
     return statistics.median(ts)
 
 
-def decode_bytes_per_token(model, ctx_mean: float) -> int:
-    """What the estimate counts for one token with every layer on one device."""
-    return (
-        sum(model.layer_active_bytes())
-        + model.output_bytes
-        + int(model.kv_bytes_per_token_per_layer * ctx_mean * model.block_count)
-    )
-
-
-def prefill_flops_per_token(model, ctx_mean: float) -> float:
-    params = sum(model.layer_params(active=True)) + model.output_params
-    attn = 4 * model.head_count * (model.key_length or 1) * ctx_mean * model.block_count
-    return 2 * params + attn
-
-
 class _Servers:
     """Children started here; all stopped (by their own pid) on exit."""
 
@@ -197,9 +186,59 @@ class _Servers:
                     p.wait(5)
 
 
+# Generated models for the two-term solve: many thin blocks against few wide ones, so
+# the per-block cost and the bandwidth weigh differently in their per-token times.
+DEEP = TinySpec(n_layer=24, n_embd=256, n_head=4, n_ff=512)
+WIDE = TinySpec(n_layer=2, n_embd=1024, n_head=8, n_ff=2816)
+
+
+def _blocks_per_byte(model) -> float:
+    return model.block_count / max(1, sum(model.layer_active_bytes()))
+
+
+def calibration_models(given: list[Path], workdir: Path) -> list[Path]:
+    """The given models, plus generated ones until there are two of different shape:
+    with one given model, the generated model whose blocks-per-byte differs most."""
+    from linkctl.gguf_info import read_model
+    from linkctl.tinymodel import write_tiny_llama
+
+    def gen(spec: TinySpec) -> Path:
+        p = workdir / f"tiny-{spec.n_layer}L-{spec.n_embd}d.gguf"
+        if not p.is_file():
+            write_tiny_llama(p, spec)
+        return p
+
+    if len(given) >= 2:
+        return given
+    if not given:
+        return [gen(DEEP), gen(WIDE)]
+    r = math.log(_blocks_per_byte(read_model(given[0])))
+    deep, wide = gen(DEEP), gen(WIDE)
+    far = max((deep, wide), key=lambda p: abs(math.log(_blocks_per_byte(read_model(p))) - r))
+    return [given[0], far]
+
+
+def solve_two_terms(
+    points: list[tuple[float, float, float]],
+) -> tuple[float, float]:
+    """(layer_us, bandwidth GB/s) from (blocks, bytes per token, measured µs per token)
+    of two or more models: t = blocks x layer_us + bytes / bandwidth, least squares on
+    relative error, both terms >= 0."""
+    from linkctl.devicefit import _nnls
+
+    a = [[blocks / t, nbytes / t] for blocks, nbytes, t in points]
+    (c, inv_bw), _ = _nnls(a, [1.0] * len(points))
+    if inv_bw <= 0:
+        raise CheckFailed(
+            "calibration: the measured times do not rise with the bytes read "
+            f"({points}); the host was too busy, re-run"
+        )
+    return c, 1e-3 / inv_bw
+
+
 def calibrate(
     prof: Profile,
-    model_path: Path,
+    model_paths: list[Path] | None = None,
     *,
     host: str | None,
     tokens: int = 64,
@@ -211,6 +250,7 @@ def calibrate(
     runner: Runner | None = None,
 ) -> dict[str, Any]:
     from linkctl.catalog import get_device, load_catalog, save_calibration
+    from linkctl.estimate import decode_features, prefill_features
     from linkctl.gguf_info import read_model
     from linkctl.llama import find_bins
     from linkctl.paths import state_dir
@@ -227,11 +267,12 @@ def calibrate(
         host = identify_host(prof, get_backend(), None).name
     h = prof.host(host)
     dev = get_device(load_catalog(), h.device, f"host {h.name}")
-    model = read_model(model_path)
-    if not model.data_present:
-        raise InputError(
-            f"{model_path}: header only, tensor data absent", "calibrate needs a real model file"
-        )
+    given = list(model_paths or [])
+    for mp in given:
+        if not read_model(mp).data_present:
+            raise InputError(
+                f"{mp}: header only, tensor data absent", "calibrate needs a real model file"
+            )
     runner = runner or default_runner()
     bins = find_bins(bin_dir or h.llama_bin_dir, runner, versions=False)
     if bins.llama_server is None or (rpc and bins.rpc_server is None):
@@ -239,28 +280,25 @@ def calibrate(
             f"llama.cpp binaries not found (tried {', '.join(bins.tried)})",
             "run scripts/build-llama.sh or pass --bin-dir",
         )
-    ctx = min(2048, model.context_length or 2048)
+    logs = state_dir() / "calibrate"
+    logs.mkdir(parents=True, exist_ok=True)
+    paths = calibration_models(given, logs) if not dry_run else given or [Path("<generated>")]
+    infos = [read_model(mp) for mp in paths] if not dry_run else []
+    ctxs = [min(2048, m.context_length or 2048) for m in infos] or [2048]
+    ctx = min(ctxs)
     n_prompt = max(16, min(256, ctx - tokens - 16))
     if ctx - tokens - 16 < 16:
         raise InputError(
             f"--tokens {tokens} does not fit the model's context {ctx}", "use fewer --tokens"
         )
-    common = [
-        "-m",
-        str(model_path),
-        "-c",
-        str(ctx),
-        "-np",
-        "1",
-        "-ngl",
-        "99",
-        "--host",
-        "127.0.0.1",
-    ]
-    if threads:
-        common += ["-t", str(threads)]
-    port = _free_port()
-    local_argv = [bins.llama_server.path, *common, "--port", str(port)]
+
+    def common(mp: Path) -> list[str]:
+        argv = ["-m", str(mp), "-c", str(ctx), "-np", "1", "-ngl", "99", "--host", "127.0.0.1"]
+        return argv + (["-t", str(threads)] if threads else [])
+
+    local_argvs = []
+    for mp in paths:
+        local_argvs.append([bins.llama_server.path, *common(mp), "--port", str(_free_port())])
     rpc_port = _free_port()
     rpc_argv = [
         bins.rpc_server.path if bins.rpc_server else "ggml-rpc-server",
@@ -273,7 +311,7 @@ def calibrate(
     port2 = _free_port()
     head_argv = [
         bins.llama_server.path,
-        *common,
+        *common(paths[0]),
         "--port",
         str(port2),
         "--rpc",
@@ -285,45 +323,79 @@ def calibrate(
         return {
             "host": h.name,
             "dry_run": True,
-            "commands": [local_argv] + ([rpc_argv, head_argv] if rpc else []),
+            "commands": local_argvs + ([rpc_argv, head_argv] if rpc else []),
         }
 
-    logs = state_dir() / "calibrate"
-    logs.mkdir(parents=True, exist_ok=True)
+    # All servers up at once and the timed requests interleaved (A, B, A, B, ...), so a
+    # burst of other load on the host hits every model alike instead of skewing the solve.
+    measured = []
+    ports = [int(argv[-1]) for argv in local_argvs]
+    all_runs: list[list[dict[str, float]]] = [[] for _ in paths]
     with _Servers(runner) as srv:
-        p = srv.spawn(local_argv, logs / "llama-server.log")
-        wait_health(port, p, 300, logs / "llama-server.log")
-        prompt = prompt_tokens(port, n_prompt)
-        local_runs = timed_completions(port, tokens, runs, prompt)
-        p.terminate()
-        p.wait(10)
-    best = best_run(local_runs)
-    ctx_mean = best["prompt_n"] + best["predicted_n"] / 2
-    bpt = decode_bytes_per_token(model, ctx_mean)
-    bw = bpt * best["predicted_per_second"] / 1e9
-    tflops = (
-        (prefill_flops_per_token(model, best["prompt_n"] / 2) * best["prompt_per_second"] / 1e12)
-        if best["prompt_per_second"]
-        else None
+        for i, argv in enumerate(local_argvs):
+            log = logs / f"llama-server-{i}.log"
+            wait_health(ports[i], srv.spawn(argv, log), 300, log)
+        prompt = prompt_tokens(ports[0], n_prompt)
+        for _ in range(runs):
+            for i, port in enumerate(ports):
+                all_runs[i] += timed_completions(port, tokens, 1, prompt)
+    for mp, m, model_runs in zip(paths, infos, all_runs, strict=True):
+        best = best_run(model_runs)
+        depth = best["prompt_n"] + best["predicted_n"] / 2
+        f = decode_features(m, list(range(m.block_count)), True, depth)
+        measured.append(
+            {
+                "model": str(mp),
+                "model_name": m.name or mp.name,
+                "blocks": m.block_count,
+                "bytes_per_token": f[2] + f[3] + f[4],
+                "decode_tok_s": best["predicted_per_second"],
+                "per_token_us": 1e6 / best["predicted_per_second"],
+                "prefill_tok_s": best["prompt_per_second"],
+                "prompt_n": best["prompt_n"],
+                "runs": model_runs,
+                "generated": mp not in given,
+            }
+        )
+    layer_us, bw = solve_two_terms(
+        [(x["blocks"], x["bytes_per_token"], x["per_token_us"]) for x in measured]
     )
+    for x in measured:
+        x["predicted_us"] = x["blocks"] * layer_us + x["bytes_per_token"] / (bw * 1e3)
+    # Prefill compute: from the model with the most FLOPs per prompt (the per-micro-batch
+    # fixed cost is not separated here; it is small against a whole prompt's FLOPs).
+    flops = [
+        sum(prefill_features(m, list(range(m.block_count)), True, int(x["prompt_n"]))[2:])
+        for m, x in zip(infos, measured, strict=True)
+    ]
+    k = max(range(len(measured)), key=lambda i: flops[i])
+    pk = measured[k]
+    tflops = (
+        flops[k] / (pk["prompt_n"] / pk["prefill_tok_s"]) / 1e12 if pk["prefill_tok_s"] else None
+    )
+    first = measured[0]
     rec: dict[str, Any] = {
         "host": h.name,
         "device": dev.key,
-        "model": str(model_path),
-        "model_name": model.name or Path(model_path).name,
+        "model": first["model"],
+        "model_name": first["model_name"],
         "measured_at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "threads": threads,
         "tokens": tokens,
-        "runs": local_runs,
-        "decode_tok_s": best["predicted_per_second"],
-        "prefill_tok_s": best["prompt_per_second"],
-        "bytes_per_token": bpt,
+        "runs": first["runs"],
+        "models": measured,
+        "decode_tok_s": first["decode_tok_s"],
+        "prefill_tok_s": first["prefill_tok_s"],
+        "bytes_per_token": first["bytes_per_token"],
+        "layer_us": layer_us,
         "effective_bandwidth_gbs": bw,
         "effective_tflops": tflops,
+        "catalog_layer_us": dev.decode.layer_us,
         "catalog_effective_bandwidth_gbs": dev.decode.bw_gbs,
         "llama_server": bins.llama_server.path,
     }
     if rpc:
+        model = infos[0]
         with _Servers(runner) as srv:
             srv.spawn(rpc_argv, logs / "rpc-server.log")
             from linkctl.rpc import wait_ready
@@ -334,12 +406,15 @@ def calibrate(
             wait_health(port2, hp, 300, logs / "llama-server-rpc.log")
             rpc_runs = timed_completions(port2, tokens, runs, prompt)
         rb = best_run(rpc_runs)
-        per_tok_local = 1e6 / best["predicted_per_second"]
+        per_tok_local = first["per_token_us"]
         per_tok_rpc = 1e6 / rb["predicted_per_second"]
         overhead = per_tok_rpc - per_tok_local - loop_rtt
         # This host as an RPC device: its per-token time behind a (loopback) RPC boundary,
         # less the round trip, over the bytes it reads. Folds in the RPC processing cost.
-        rpc_bytes = decode_bytes_per_token(model, rb["prompt_n"] + rb["predicted_n"] / 2)
+        f = decode_features(
+            model, list(range(model.block_count)), True, rb["prompt_n"] + rb["predicted_n"] / 2
+        )
+        rpc_bytes = f[2] + f[3] + f[4]
         rpc_bw = rpc_bytes / max(1.0, per_tok_rpc - loop_rtt) * 1e6 / 1e9
         rec["rpc"] = {
             "runs": rpc_runs,
@@ -361,11 +436,18 @@ def render_calibration(rec: dict[str, Any]) -> None:
         for argv in rec["commands"]:
             console.print(" ".join(argv))
         return
-    console.print(f"[bold]{rec['host']}[/] ({rec['device']}) on {rec['model_name']}:")
+    console.print(f"[bold]{rec['host']}[/] ({rec['device']}):")
+    for x in rec.get("models", []):
+        console.print(
+            f"  {x['model_name']}: {x['blocks']} blocks, {x['bytes_per_token'] / 1e6:.1f} MB/token"
+            f" -> {x['decode_tok_s']:.1f} tok/s ({x['per_token_us']:.0f} µs/token, "
+            f"two-term fit {x['predicted_us']:.0f} µs)"
+        )
     console.print(
-        f"  decode  {rec['decode_tok_s']:.1f} tok/s x {rec['bytes_per_token'] / 1e6:.1f} "
-        f"MB/token = {rec['effective_bandwidth_gbs']:.1f} GB/s effective "
-        f"(catalog: {rec['catalog_effective_bandwidth_gbs']:.1f} GB/s)"
+        f"  decode terms: {rec.get('layer_us', 0):.1f} µs per block + bytes / "
+        f"{rec['effective_bandwidth_gbs']:.1f} GB/s (catalog: "
+        f"{rec.get('catalog_layer_us', 0):.1f} µs + bytes / "
+        f"{rec['catalog_effective_bandwidth_gbs']:.1f} GB/s)"
     )
     if rec.get("effective_tflops"):
         console.print(

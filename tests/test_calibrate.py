@@ -15,7 +15,24 @@ from llama_util import need_llama
 pytestmark = [pytest.mark.netns, pytest.mark.llama]
 
 
-def test_calibrate_stores_measured_figures_and_estimate_uses_them(make_lab, tmp_path):
+def test_two_term_solve_recovers_known_terms():
+    from linkctl.calibrate import solve_two_terms
+
+    layer_us, bw = 35.0, 12.0  # µs per block, GB/s
+    pts = [(b, n, b * layer_us + n / (bw * 1e3)) for b, n in ((24, 63e6), (2, 103e6))]
+    got = solve_two_terms(pts)
+    assert got == pytest.approx((layer_us, bw), rel=1e-6)
+    # A host too busy for the times to follow the bytes: an error, not a negative bandwidth.
+    from linkctl.errors import CheckFailed
+
+    with pytest.raises(CheckFailed, match="do not rise with the bytes"):
+        solve_two_terms([(24, 1e6, 9000.0), (2, 1e8, 10.0)])
+
+
+def test_calibrate_solves_both_decode_terms_and_estimate_uses_them(make_lab, tmp_path):
+    """Real llama-server on the given tiny model and a generated one of another shape;
+    per-block cost and bandwidth solved from both; the estimate then predicts the given
+    model's per-token time on that host from those two terms."""
     need_llama()
     from linkctl.tinymodel import TinySpec, write_tiny_llama
 
@@ -37,24 +54,57 @@ def test_calibrate_stores_measured_figures_and_estimate_uses_them(make_lab, tmp_
         "--tokens",
         "16",
         "--runs",
-        "1",
+        "2",
         "--threads",
         "1",
         "--json",
-        timeout=600,
+        timeout=900,
     )
     assert r.returncode == 0, r.stderr
     rec = json.loads(r.stdout)
     assert rec["host"] == "dgx" and rec["device"] == "cpu"
-    assert rec["decode_tok_s"] > 0 and rec["runs"][0]["predicted_n"] == 16
-    # bandwidth = bytes per token x tok/s, bytes from the header
-    assert rec["effective_bandwidth_gbs"] == pytest.approx(
-        rec["bytes_per_token"] * rec["decode_tok_s"] / 1e9
-    )
+    ms = rec["models"]
+    assert len(ms) == 2 and not ms[0]["generated"] and ms[1]["generated"]
+    assert ms[0]["model"] == model["path"]
+    # The generated model weighs per-block cost and bytes differently (blocks per byte).
+    ratio = [m["blocks"] / m["bytes_per_token"] for m in ms]
+    assert max(ratio) > 3 * min(ratio)
+    assert all(m["decode_tok_s"] > 0 and m["runs"][0]["predicted_n"] == 16 for m in ms)
+    assert rec["effective_bandwidth_gbs"] > 0 and rec["layer_us"] >= 0
+    if rec["layer_us"] > 0:  # two models, two terms: both times reproduced exactly
+        for m in ms:
+            assert m["predicted_us"] == pytest.approx(m["per_token_us"], rel=1e-3)
     saved = Path(rec["saved_to"])
     assert saved.is_file() and "dgx" in json.loads(saved.read_text())["hosts"]
 
-    # The estimate on the same host uses the calibrated figure, not the catalog's.
+    # All of the given model on dgx (the CPU head holds no layers; calibrated without
+    # --rpc, so dgx's two local terms apply).
+    first = ms[0]
+    depth = int(first["runs"][0]["prompt_n"] + 8)
+    r = lab.run(
+        "dgx",
+        "estimate",
+        "--profile",
+        str(prof),
+        "--model",
+        model["path"],
+        "--rtt-us",
+        "100",
+        "--throughput-gbps",
+        "9",
+        "--depth",
+        str(depth),
+        "--json",
+    )
+    assert r.returncode == 0, r.stderr
+    est = json.loads(r.stdout)
+    dgx = next(d for d in est["split"]["devices"] if d["host"] == "dgx")
+    assert dgx["figures_source"].startswith("calibrated")
+    assert dgx["bandwidth_gbs"] == pytest.approx(rec["effective_bandwidth_gbs"])
+    assert dgx["layer_fixed_us"] == pytest.approx(rec["layer_us"] * 2)
+    assert dgx["compute_us"] + dgx["kv_read_us"] == pytest.approx(first["predicted_us"], rel=0.01)
+
+    # A header-only 7B on the same host: the calibrated terms, not the catalog's.
     big = write_header_only(tmp_path / "7b.gguf", LLAMA_7B)
     r = lab.run(
         "dgx",
@@ -70,10 +120,8 @@ def test_calibrate_stores_measured_figures_and_estimate_uses_them(make_lab, tmp_
         "--json",
     )
     assert r.returncode == 0, r.stderr
-    est = json.loads(r.stdout)
-    dgx = next(d for d in est["split"]["devices"] if d["host"] == "dgx")
+    dgx = next(d for d in json.loads(r.stdout)["split"]["devices"] if d["host"] == "dgx")
     assert dgx["bandwidth_gbs"] == pytest.approx(rec["effective_bandwidth_gbs"])
-    assert dgx["figures_source"].startswith("calibrated")
 
 
 def test_calibrate_refuses_header_only_model(make_lab, tmp_path):

@@ -125,7 +125,16 @@ def register(app: typer.Typer) -> None:
 
     @app.command("calibrate")
     def calibrate_cmd(
-        model: ModelOpt,
+        model: Annotated[
+            list[Path] | None,
+            typer.Option(
+                "--model",
+                "-m",
+                help="A .gguf to measure on (repeatable). Generated test models are added "
+                "until two differ in shape (default: two generated models only).",
+                show_default=False,
+            ),
+        ] = None,
         profile: ProfileOpt = None,
         host: Annotated[
             str | None,
@@ -168,8 +177,9 @@ def register(app: typer.Typer) -> None:
         ] = False,
         json_out: JsonOpt = False,
     ) -> None:
-        """Measure this host's real decode bandwidth (and prefill compute) with llama-server
-        on a model, and store it so `linkctl estimate` uses it instead of the catalog.
+        """Measure this host's decode terms (fixed cost per block and effective bandwidth,
+        solved from two models of different shape) and prefill compute with llama-server,
+        and store them so `linkctl estimate` uses them instead of the catalog.
 
         Example: linkctl calibrate --model /models/llama-8b-q4_k_m.gguf --rpc
         """
@@ -179,7 +189,7 @@ def register(app: typer.Typer) -> None:
         host = host or os.environ.get("LINKCTL_HOST")
         rec = calibrate(
             prof,
-            model,
+            model or [],
             host=host,
             tokens=tokens,
             runs=runs,
