@@ -334,16 +334,20 @@ def _scaled(coefs: list[float], byte_idx: tuple[int, ...], k: float) -> list[flo
 
 
 def fit_device(
-    key: str, spec: dict[str, Any], rows: list[Row], anchors: dict[str, tuple[str, DeviceFit]]
+    key: str,
+    specs: dict[str, dict[str, Any]],
+    rows: list[Row],
+    anchors: dict[str, tuple[str, DeviceFit]],
 ) -> DeviceFit:
     """One device's terms from its rows, borrowing from its family anchor where needed."""
+    spec = specs[key]
     fam = spec["family"]
     dec_rows = [r for r in rows if r.kind == "decode"]
     pre_rows = [r for r in rows if r.kind == "prefill"]
     anchor = anchors.get(fam)
     if anchor and anchor[0] != key:
         akey, afit = anchor
-        aspec = load_spec()[akey]
+        aspec = specs[akey]
         kb = spec["mem_bandwidth_gbs"] / aspec["mem_bandwidth_gbs"]
         kf = spec["fp16_tflops"] / aspec["fp16_tflops"]
         prior = Prior(
@@ -377,7 +381,7 @@ def fit_device(
 
 def fit_all(rows: list[Row], spec: dict[str, dict[str, Any]] | None = None) -> dict[str, DeviceFit]:
     spec = spec or load_spec()
-    used = [r for r in rows if not r.exclude]
+    used = [r for r in rows if not r.exclude and r.device in spec]
     unknown = sorted({r.device for r in used} - set(spec))
     if unknown:
         raise InputError(f"benchmark rows name devices not in the catalog: {', '.join(unknown)}")
@@ -387,11 +391,11 @@ def fit_all(rows: list[Row], spec: dict[str, dict[str, Any]] | None = None) -> d
         members = [k for k in spec if spec[k]["family"] == fam and by_dev[k]]
         if members:
             a = max(members, key=lambda k: (len(by_dev[k]), k))
-            anchors[fam] = (a, fit_device(a, spec[a], by_dev[a], {}))
+            anchors[fam] = (a, fit_device(a, spec, by_dev[a], {}))
     out = {}
     for k in spec:
         a = anchors.get(spec[k]["family"])
-        out[k] = a[1] if a and a[0] == k else fit_device(k, spec[k], by_dev[k], anchors)
+        out[k] = a[1] if a and a[0] == k else fit_device(k, spec, by_dev[k], anchors)
     return out
 
 
@@ -400,11 +404,17 @@ def predict_us(fit: DeviceFit, row: Row) -> float:
     return dot(c, row_features(row))
 
 
+def loo_fit(rows: list[Row], row: Row, spec: dict[str, dict[str, Any]]) -> DeviceFit:
+    """The row's device refitted without the row (its family anchor refitted likewise;
+    other families cannot reach it)."""
+    fam = spec[row.device]["family"]
+    sub = {k: v for k, v in spec.items() if v["family"] == fam}
+    rest = [r for r in rows if r.index != row.index and r.device in sub]
+    return fit_all(rest, sub)[row.device]
+
+
 def loo_predict_us(rows: list[Row], row: Row, spec: dict[str, dict[str, Any]]) -> float:
-    """Refit the row's device without the row (its family anchors refitted likewise),
-    then predict it."""
-    rest = [r for r in rows if r.index != row.index]
-    return predict_us(fit_all(rest, spec)[row.device], row)
+    return predict_us(loo_fit(rows, row, spec), row)
 
 
 # -- devices_fit.toml -----------------------------------------------------------------
