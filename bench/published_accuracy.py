@@ -33,6 +33,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--device", help="only this device's rows")
+    ap.add_argument(
+        "--markdown", action="store_true", help="the README table: rows grouped by model"
+    )
     a = ap.parse_args()
     rows = load_rows()
     spec = load_spec()
@@ -94,6 +97,9 @@ def main() -> int:
     if a.json:
         print(json.dumps({"rows": out, "summary": summary}, indent=2))
         return 0
+    if a.markdown:
+        markdown(scored, summary)
+        return 0
     print(f"{'row':52}{'published':>10}{'in-sample':>11}{'err':>8}{'LOO':>10}{'err':>8}")
     for d in out:
         if "excluded" in d:
@@ -128,6 +134,43 @@ def main() -> int:
     for s, u in sources:
         print(f"  {s}: {u}")
     return 0
+
+
+def _span(v: list[float]) -> str:
+    lo, hi = min(v), max(v)
+    return f"{lo:+.1%}" if hi - lo < 1e-9 else f"{lo:+.1%} .. {hi:+.1%}"
+
+
+def markdown(scored: list[dict], summary: dict) -> None:
+    groups: dict[tuple, list[dict]] = {}
+    for d in scored:
+        groups.setdefault((d["device"], d["model"], d["quant"], d["kind"]), []).append(d)
+    print(
+        "| Device | Model | Type | Kind | Rows (tests) | Published tok/s | In-sample error "
+        "| Leave-one-out error |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for (dev, model, quant, kind), ds in groups.items():
+        tests = sorted({d["test"] for d in ds}, key=lambda t: int(t[2:]))
+        depths = sorted({d["depth"] for d in ds})
+        t = ", ".join(tests) + (f", depth {depths[0]}-{depths[-1]}" if len(depths) > 1 else "")
+        pub = [d["published_tok_s"] for d in ds]
+        p = f"{min(pub):.0f}-{max(pub):.0f}" if len(ds) > 1 else f"{pub[0]:.1f}"
+        miss = sum(not d["loo_within_target"] for d in ds)
+        flag = f" **({miss} miss)**" if miss else ""
+        print(
+            f"| {dev} | {model} | {quant} | {kind} | {len(ds)} ({t}) | {p} | "
+            f"{_span([d['in_sample_err'] for d in ds])} | "
+            f"{_span([d['loo_err'] for d in ds])}{flag} |"
+        )
+    print()
+    for kind, s in summary.items():
+        print(
+            f"{kind.capitalize()}, {s['rows']} rows: in-sample max |error| "
+            f"{s['in_sample_max_abs_err']:.1%} (median {s['in_sample_median_abs_err']:.1%}); "
+            f"LOO max {s['loo_max_abs_err']:.1%} (median {s['loo_median_abs_err']:.1%}); "
+            f"**{s['loo_within_target']}/{s['rows']} within +-{s['target']:.0%} LOO**."
+        )
 
 
 if __name__ == "__main__":

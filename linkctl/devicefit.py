@@ -139,7 +139,7 @@ def row_features(row: Row) -> list[float]:
     m = row_model(row)
     layers = list(range(m.block_count))
     if row.kind == "decode":
-        return decode_features(m, layers, True, row.depth + row.n / 2)
+        return decode_features(m, layers, True, row.depth + row.n / 2, row.ubatch)
     return prefill_features(m, layers, True, row.n, row.depth, row.ubatch)
 
 

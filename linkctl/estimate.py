@@ -292,13 +292,20 @@ def dot(coefs: list[float], feats: list[float]) -> float:
 
 
 def decode_features(
-    model: ModelInfo, layers: list[int], holds_output: bool, depth: float
+    model: ModelInfo,
+    layers: list[int],
+    holds_output: bool,
+    depth: float,
+    ubatch: int = DEFAULT_UBATCH,
 ) -> list[float]:
-    """DECODE_FEATURES for one token on a device holding ``layers`` (+ the output head)."""
+    """DECODE_FEATURES for one token on a device holding ``layers`` (+ the output head);
+    ``ubatch`` sizes a sliding-window block's cache (ModelInfo.kv_positions)."""
     st = model.block_stats
     q = sum(st[il].quant_bytes for il in layers)
     f = sum(st[il].f16_bytes for il in layers)
-    kv = model.kv_bytes_per_token_per_layer * sum(model.kv_positions(il, depth) for il in layers)
+    kv = model.kv_bytes_per_token_per_layer * sum(
+        model.kv_positions(il, depth, ubatch) for il in layers
+    )
     moe = sum(1 for il in layers if st[il].moe)
     if holds_output:
         oq, of = model.output_split
@@ -327,7 +334,7 @@ def prefill_features(
     for b in range(n_mb):
         tokens = min(ubatch, n_prompt - b * ubatch)
         mid = depth + b * ubatch + tokens / 2  # mean position attended in this micro-batch
-        attn = per_pos * sum(model.kv_positions(il, mid) for il in layers)
+        attn = per_pos * sum(model.kv_positions(il, mid, ubatch) for il in layers)
         out[0] += len(layers)
         out[1] += moe_blocks
         out[2] += tokens * dq

@@ -224,10 +224,12 @@ class ModelInfo:
         alternates (n = 2), gemma3 has 5 local blocks per global one (n = 6)."""
         return self._swa
 
-    def kv_positions(self, layer: int, depth: float) -> float:
-        """Cached positions block ``layer`` reads at context position ``depth``."""
+    def kv_positions(self, layer: int, depth: float, ubatch: int = 512) -> float:
+        """Cache cells block ``layer`` reads at context position ``depth``. A sliding-window
+        block's cache holds window + one micro-batch of cells (llama-kv-cache-iswa.cpp
+        sizes it n_swa + n_ubatch) and attention runs over that whole view, masked."""
         if layer in self._swa:
-            return min(depth, self.sliding_window)
+            return min(depth, self.sliding_window + ubatch)
         return depth
 
     # -- sizes -----------------------------------------------------------------
