@@ -11,6 +11,7 @@ same facts, so doctor and the real commands cannot disagree:
     peer <name>      linkctl.probe.peer.check_peer (ARP who-has, pinned MAC)
     llama binaries, rpc protocol, rpc <name>
                      linkctl.llama (find_bins, local_rpc_protocol, compatible), linkctl.rpc
+    serve auth       linkctl.serve.serve_auth (head: API key or explicit opt-out)
     services         linkctl.service.status
     probe report     linkctl.serve.probe_gate (head) / probe_reports (rpc host)
 
@@ -458,6 +459,30 @@ def check_llama(
             )
 
 
+def check_serve_auth(res: DoctorResult, prof: Profile, host: HostSpec) -> None:
+    """Head: what protects llama-server's API where serve.host puts it (the same rule
+    `linkctl serve` enforces)."""
+    if host.role != "head":
+        return
+    from linkctl.serve import serve_auth
+
+    try:
+        auth = serve_auth(prof)
+    except InputError as e:
+        res.add("serve auth", "FAIL", None, e.message, e.fix)
+        return
+    if auth.mode == "unauthenticated":
+        res.add(
+            "serve auth",
+            "WARN",
+            auth.mode,
+            auth.summary(),
+            "set serve.api_key_file (a mode-0600 file of keys) unless the network is yours alone",
+        )
+    else:
+        res.add("serve auth", "PASS", auth.mode, auth.summary())
+
+
 # ---- 8: services ---------------------------------------------------------------------------
 
 
@@ -595,6 +620,7 @@ def run(
     st = check_link(res, prof, host, backend)
     answered = check_peers(res, prof, host, st, peer_timeout_s)
     check_llama(res, prof, host, answered, peer_timeout_s, hello)
+    check_serve_auth(res, prof, host)
     shown = profile_arg or os.environ.get("LINKCTL_PROFILE") or prof.name
     check_services(res, prof, host, shown, service_root)
     check_probe_report(res, prof, host, now)

@@ -126,6 +126,19 @@ class ServeSpec(_Strict):
     # weights "W,W,..." in llama.cpp device order (RPC hosts in --rpc order, then the
     # head's GPU).
     split: str = "recommended"
+    # llama-server's API has no authentication unless given keys. Off loopback and off
+    # the link (e.g. 0.0.0.0, the Mac's Wi-Fi LAN) serve needs one of these
+    # (linkctl.serve.serve_auth): a file of keys for --api-key-file (mode 0600),
+    # or an explicit opt-out.
+    api_key_file: str | None = None
+    allow_unauthenticated: bool = False
+
+    @field_validator("api_key_file")
+    @classmethod
+    def _absolute_key_file(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith("/"):
+            raise ValueError("must be an absolute path (boot services do not run in your cwd)")
+        return v
 
     @field_validator("split")
     @classmethod

@@ -47,6 +47,7 @@ class ServePlan:
     notes: list[str] = field(default_factory=list)
     bins: dict[str, Any] = field(default_factory=dict)
     split: dict[str, Any] | None = None  # head only: SplitChoice.as_dict()
+    auth: dict[str, Any] | None = None  # head only: ServeAuth.as_dict()
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -118,6 +119,8 @@ def head_argv(
         argv += ["-ts", ",".join(f"{w:g}" for w in weights), "-fit", "off"]
     if s.threads:
         argv += ["-t", str(s.threads)]
+    if s.api_key_file:
+        argv += ["--api-key-file", s.api_key_file]
     return argv + list(s.extra_args)
 
 
@@ -269,6 +272,113 @@ def _estimate_for(
     return run_estimate(profile, Path(model), tensor_split=ts, calibration=calibration)
 
 
+# ---- llama-server exposure ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServeAuth:
+    """Who can reach llama-server's API, and what stops the rest."""
+
+    exposure: str  # "loopback", "link" (the head's link address) or "exposed"
+    mode: str  # "api-key", "unauthenticated" (allowed in the profile) or "not-needed"
+    api_key_file: str | None = None
+    keys: int = 0
+
+    def summary(self) -> str:
+        where = {
+            "loopback": "loopback only",
+            "link": "the link address only",
+            "exposed": "beyond loopback and the link",
+        }[self.exposure]
+        if self.mode == "api-key":
+            return (
+                f"llama-server API on {where}: API key required "
+                f"({self.keys} key(s) in {self.api_key_file})"
+            )
+        if self.mode == "unauthenticated":
+            return (
+                f"llama-server API on {where} WITHOUT authentication "
+                "(serve.allow_unauthenticated = true)"
+            )
+        return f"llama-server API on {where}: no API key needed"
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def read_api_keys(path: str) -> list[str]:
+    """The keys llama-server will load from ``path`` (--api-key-file), after checking the
+    file is private. llama-server (common/arg.cpp, --api-key-file) reads it line by
+    line, skips empty lines and lines starting with '#', and keeps the rest verbatim:
+    a stray space or CR would become part of the key, and a file with no key line
+    starts the server with no authentication at all. Both are refused here."""
+    field = f"serve.api_key_file = {path!r}"
+    make = f"create it: (umask 077; openssl rand -hex 32 > {path})"
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise InputError(f"{field}: no such file", make) from None
+    except OSError as e:
+        raise InputError(f"{field}: cannot stat: {e.strerror}") from None
+    import stat as st_mod
+
+    if not st_mod.S_ISREG(st.st_mode):
+        raise InputError(f"{field}: not a regular file", make)
+    mode = st_mod.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        raise InputError(
+            f"{field}: mode {mode:04o} lets group or others read or change the keys",
+            f"chmod 600 {path}",
+        )
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"{field}: cannot read: {e}", "make it readable by this user") from None
+    keys = []
+    for n, line in enumerate(text.split("\n"), 1):
+        if not line or line.startswith("#"):
+            continue
+        if line != line.strip():
+            raise InputError(
+                f"{field}: line {n} has leading or trailing whitespace (or a CR), which "
+                "llama-server would keep as part of the key",
+                "write one key per line, nothing else on it (Unix line endings)",
+            )
+        keys.append(line)
+    if not keys:
+        raise InputError(
+            f"{field}: holds no key (only empty or '#' lines): llama-server would start "
+            "without authentication",
+            make.replace("create it", "put a key in it"),
+        )
+    return keys
+
+
+def serve_auth(profile: Profile) -> ServeAuth:
+    """How the head's llama-server is protected; InputError when it would listen beyond
+    loopback and the link with neither an API key file nor an explicit opt-out."""
+    s = profile.serve
+    if s.host.is_loopback:
+        exposure = "loopback"
+    elif s.host == profile.head.address.ip:
+        exposure = "link"
+    else:
+        exposure = "exposed"
+    if s.api_key_file:
+        keys = read_api_keys(s.api_key_file)
+        return ServeAuth(exposure, "api-key", s.api_key_file, len(keys))
+    if exposure != "exposed":
+        return ServeAuth(exposure, "not-needed")
+    if s.allow_unauthenticated:
+        return ServeAuth(exposure, "unauthenticated")
+    raise InputError(
+        f"serve.host = {str(s.host)!r} puts llama-server's API beyond loopback and the link "
+        "(anyone who reaches it can use the model), and the profile gives it no API key",
+        "set serve.api_key_file to a mode-0600 file of keys (llama-server --api-key-file), "
+        "or serve.allow_unauthenticated = true to serve it open on purpose",
+    )
+
+
 def build_plan(
     profile: Profile,
     host: HostSpec,
@@ -289,6 +399,9 @@ def build_plan(
     )
     if profile.serve.host.is_unspecified:
         notes.append(f"llama-server listens on {profile.serve.host}: every interface")
+    auth = serve_auth(profile) if host.role == "head" else None
+    if auth is not None:
+        notes.append(auth.summary())
     for role_bin, b in (("rpc-server", bins.rpc_server), ("llama-server", bins.llama_server)):
         if b is None:
             notes.append(f"{role_bin} not found on this host (searched: {', '.join(bins.tried)})")
@@ -309,6 +422,7 @@ def build_plan(
         notes=notes + (split.notes if split and host.role == "head" else []),
         bins=bins.as_dict(),
         split=split.as_dict() if split and host.role == "head" else None,
+        auth=auth.as_dict() if auth else None,
     )
 
 
