@@ -331,7 +331,7 @@ def read_api_keys(path: str) -> list[str]:
             f"chmod 600 {path}",
         )
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_bytes().decode()  # bytes: universal newlines would hide a CR
     except (OSError, UnicodeDecodeError) as e:
         raise InputError(f"{field}: cannot read: {e}", "make it readable by this user") from None
     keys = []

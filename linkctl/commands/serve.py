@@ -135,6 +135,7 @@ def register(app: typer.Typer) -> None:
                 print_json(plan.as_dict())
             bins.need("rpc-server")
             raise typer.Exit(sv.run_rpc(plan, h, backend))
+        sv.serve_auth(prof)  # an open API is refused before anything starts
         bins.need("llama-server")
         sv.model_path_check(model or prof.serve.model)
         if skip_probe:
