@@ -1,0 +1,187 @@
+"""What the lab benches share: linkctl and commands run inside a lab host, children
+stopped by their own process group, waits on ports, timed completions, and a CPU
+limit for one host's processes (a cgroup the bench creates and removes).
+
+Imported by bench/estimate_accuracy.py and bench/split_gain.py (run as scripts:
+their directory is on sys.path).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+PY = sys.executable
+
+# Runs inside a namespace: timed /completion requests against llama-server on 127.0.0.1.
+COMPLETE = r"""
+import json, sys, urllib.request
+port, n, runs = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+prompt = sys.argv[4]
+def post(n_predict):
+    body = json.dumps({"prompt": prompt, "n_predict": n_predict, "ignore_eos": True,
+                       "temperature": 0, "cache_prompt": False, "seed": 0}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body,
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        d = json.loads(r.read())
+        return d["timings"] | {"tokens_predicted": d.get("tokens_predicted")}
+out = [post(n) for _ in range(runs)]
+print(json.dumps(out))
+"""
+
+HEALTH = r"""
+import sys, time, urllib.request
+port, deadline = int(sys.argv[1]), time.monotonic() + float(sys.argv[2])
+while time.monotonic() < deadline:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+            if r.status == 200:
+                sys.exit(0)
+    except Exception:
+        pass
+    time.sleep(0.2)
+sys.exit(1)
+"""
+
+RTT = r"""
+import sys
+from linkctl.calibrate import rpc_rtt_us
+print(rpc_rtt_us(int(sys.argv[2]), 200, host=sys.argv[1]))
+"""
+
+PROMPT = "the link between two machines carries activations for every token " * 2
+
+
+def run(argv: list[str], timeout: float = 600, check: bool = True, env=None) -> str:
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
+    if check and r.returncode != 0:
+        raise SystemExit(f"failed: {' '.join(argv)}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+    return r.stdout
+
+
+def linkctl(*args: str, timeout: float = 600) -> str:
+    return run([PY, "-m", "linkctl", *args], timeout=timeout)
+
+
+def in_ns(lab: str, host: str, *argv: str, timeout: float = 600) -> str:
+    return linkctl("lab", "exec", host, "--name", lab, "--", *argv, timeout=timeout)
+
+
+def complete(lab: str, host: str, port: int, n: int, runs: int) -> list[dict]:
+    return json.loads(in_ns(lab, host, PY, "-c", COMPLETE, str(port), str(n), str(runs), PROMPT))
+
+
+class Proc:
+    """A child in a namespace, stopped by its own process group."""
+
+    def __init__(self, lab: str, host: str, argv: list[str], log: Path):
+        self.log = log
+        self.f = log.open("w")
+        self.p = subprocess.Popen(
+            [PY, "-m", "linkctl", "lab", "exec", host, "--name", lab, "--", *argv],
+            stdout=self.f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            os.killpg(self.p.pid, 15)
+            try:
+                self.p.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.p.pid, 9)
+                self.p.wait(5)
+        self.f.close()
+
+    def text(self) -> str:
+        self.f.flush()
+        return self.log.read_text(errors="replace")
+
+
+def wait_port(lab: str, host: str, addr: str, port: int, timeout: float = 30) -> None:
+    code = (
+        "import socket,sys,time\nd=time.monotonic()+float(sys.argv[3])\n"
+        "while time.monotonic()<d:\n s=socket.socket()\n s.settimeout(0.5)\n"
+        " if s.connect_ex((sys.argv[1],int(sys.argv[2])))==0: sys.exit(0)\n"
+        " s.close(); time.sleep(0.1)\nsys.exit(1)"
+    )
+    in_ns(lab, host, PY, "-c", code, addr, str(port), str(timeout), timeout=timeout + 10)
+
+
+def wait_status(path: Path, proc: Proc, timeout: float, what: str) -> dict:
+    """Until `linkctl serve`'s status file says ready (or the process ends)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError):
+            st = json.loads(path.read_text())
+            if st.get("state") == "ready":
+                return st
+        if proc.p.poll() is not None:
+            break
+        time.sleep(0.2)
+    raise SystemExit(f"{what} not ready after {timeout:.0f} s; log:\n{proc.text()[-3000:]}")
+
+
+class CpuLimit:
+    """A CPU quota for the processes a bench puts in it: a child cgroup created here
+    and removed on close. cgroup v2 ``cpu.max`` when the unified hierarchy has the cpu
+    controller, else the v1 cpu controller's CFS quota (on this machine cgroup2 at
+    /sys/fs/cgroup/unified has no controllers: cpu is bound to v1). Nothing else of
+    the machine's cgroups is touched."""
+
+    V2 = Path("/sys/fs/cgroup/unified")
+    V2_ALT = Path("/sys/fs/cgroup")
+    V1 = Path("/sys/fs/cgroup/cpu")
+
+    def __init__(self, fraction: float, period_us: int = 20000):
+        self.fraction, self.period_us = fraction, period_us
+        quota = max(1000, int(fraction * period_us))
+        name = "linkctl-bench-" + uuid.uuid4().hex[:8]
+        for root in (self.V2, self.V2_ALT):
+            ctl = root / "cgroup.controllers"
+            sub = root / "cgroup.subtree_control"
+            if ctl.is_file() and "cpu" in ctl.read_text().split():
+                if "cpu" not in sub.read_text().split():
+                    continue  # enabling it would change the machine's own hierarchy
+                self.path = root / name
+                self.path.mkdir()
+                (self.path / "cpu.max").write_text(f"{quota} {period_us}\n")
+                self.kind = f"cgroup v2 {self.path} cpu.max {quota} {period_us}"
+                break
+        else:
+            if not (self.V1 / "cpu.cfs_quota_us").is_file():
+                raise SystemExit("no cgroup cpu controller (v2 cpu.max or v1 cpu) to limit with")
+            self.path = self.V1 / name
+            self.path.mkdir()
+            (self.path / "cpu.cfs_period_us").write_text(f"{period_us}\n")
+            (self.path / "cpu.cfs_quota_us").write_text(f"{quota}\n")
+            self.kind = f"cgroup v1 {self.path} cfs_quota_us {quota} / cfs_period_us {period_us}"
+
+    def wrap(self, argv: list[str]) -> list[str]:
+        """argv run inside this group (the shell joins it, then execs argv)."""
+        procs = self.path / "cgroup.procs"
+        return ["sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh", *argv]
+
+    def close(self) -> None:
+        if not self.path.exists():
+            return
+        # Move stragglers back to the root group, then remove ours.
+        root = self.path.parent / "cgroup.procs"
+        for _ in range(50):
+            pids = (self.path / "cgroup.procs").read_text().split()
+            for pid in pids:
+                with contextlib.suppress(OSError):
+                    root.write_text(pid + "\n")
+            try:
+                self.path.rmdir()
+                return
+            except OSError:
+                time.sleep(0.1)
