@@ -368,9 +368,18 @@ def test_shipped_profile_235b_moe_needs_the_split(tmp_path, env):
     192 GB top configuration it would look as if it did)."""
     p = write_header_only(tmp_path / "moe.gguf", QWEN3_235B_A22B)
     r = linkctl(
-        "estimate", "--model", str(p), "--profile", "dgx-mac",
-        "--rtt-us", "100", "--throughput-gbps", "9", "--json", env=env,
-    )  # fmt: skip
+        "estimate",
+        "--model",
+        str(p),
+        "--profile",
+        "dgx-mac",
+        "--rtt-us",
+        "100",
+        "--throughput-gbps",
+        "9",
+        "--json",
+        env=env,
+    )
     assert r.returncode == 0, r.stderr
     est = json.loads(r.stdout)
     assert est["fits_head_alone"] is False

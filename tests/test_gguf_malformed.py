@@ -223,9 +223,15 @@ def test_cli_exit_2_one_line_no_traceback(tmp_path):
         p = tmp_path / f"{case}.gguf"
         p.write_bytes(CORPUS[case][0])
         r = linkctl(
-            "estimate", "--model", str(p), "--rtt-us", "100", "--throughput-gbps", "9",
+            "estimate",
+            "--model",
+            str(p),
+            "--rtt-us",
+            "100",
+            "--throughput-gbps",
+            "9",
             env=None,
-        )  # fmt: skip
+        )
         assert r.returncode == 2, (case, r.stdout, r.stderr)
         assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert CORPUS[case][1] in r.stderr

@@ -247,9 +247,17 @@ def test_profile_serve_split_is_used(tmp_path, split_env):
     prof = tmp_path / "p.toml"
     prof.write_text(src.replace("ngl = 99", 'ngl = 99\nsplit = "3,1"'))
     r = linkctl(
-        "serve", "--profile", str(prof), "--host", "mac", "--dry-run", "--json", "--model", model,
+        "serve",
+        "--profile",
+        str(prof),
+        "--host",
+        "mac",
+        "--dry-run",
+        "--json",
+        "--model",
+        model,
         env=env,
-    )  # fmt: skip
+    )
     plan = json.loads(r.stdout)
     assert _flag(plan["head_argv"], "-ts") == "3,1"
     assert plan["split"]["source"] == "serve.split in the profile"

@@ -1,0 +1,379 @@
+"""Does the split `linkctl serve` applies beat llama.cpp's own? Measured in the lab.
+
+Needs root (namespaces, a cgroup) and the llama.cpp binaries (scripts/build-llama.sh).
+
+Case 1, unequal rpc hosts:
+1. A fresh lab of the dgx2-mac-switch profile (dgx1 and dgx2 run rpc-server, mac
+   is the head; the lab's llama.cpp is a CPU build, so the head holds no layers and
+   the split is between the two rpc hosts). `linkctl setup` on every host.
+2. dgx2 is made slower than dgx1: its processes run in a child cgroup of this
+   machine with a CPU quota (--slow-cpu, default 35% of one CPU; cgroup v2 cpu.max,
+   or the v1 CFS quota where cpu is bound to v1), created here and removed at the end.
+3. A tiny random-weight llama GGUF (linkctl.tinymodel; F32, 8 layers x 512).
+4. The real probe from mac to each rpc host (`linkctl responder` there), so the
+   head has the saved probe reports `serve` estimates from.
+5. `linkctl calibrate --rpc` on dgx1, and on dgx2 inside its cgroup.
+6. `linkctl serve` on dgx1 and dgx2 (rpc-server; dgx2's inside its cgroup).
+7. On mac, alternately (interleaved, --rounds times each): `linkctl serve --split
+   llama` (llama.cpp's split: by the free memory each rpc-server reports, about
+   half each here) and `linkctl serve --split recommended` (the estimate's fastest
+   split), each with both calibrations. For each: the layers llama.cpp really
+   placed on each device (the model buffer per device in llama-server's log), --runs
+   /completion requests of --tokens tokens (llama-server's timings), and the
+   prediction: `linkctl estimate` for that placement at the run's context, with
+   the same probe report and calibrations.
+8. Table: per split, the placement, measured (median of every run, spread
+   min-max, fastest) and predicted, error of the median; target: recommended
+   faster than llama's, each within +-15% of its prediction.
+
+Case 2, the model does not fit the head alone: the same lab, a profile whose
+head has too little memory for the model: `linkctl estimate` says "split
+needed" and `linkctl serve` (recommended) completes a request.
+
+    sudo .venv/bin/python bench/split_gain.py [--tokens 64] [--runs 5] [--rounds 2] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+from labkit import PY, CpuLimit, Proc, complete, in_ns, linkctl, run, wait_port, wait_status
+
+TARGET_PCT = 15.0
+RPC_HOSTS = ("dgx1", "dgx2")
+HEAD = "mac"
+PORT = 8080
+
+
+def placement(log: str, mpath: str, order: list[str], addr: dict[str, str]) -> list[int]:
+    """Slots (blocks + output) llama.cpp really put on each split device, from
+    llama-server's info log: "load_tensors: RPC0[A:P] model buffer size = X MiB" per
+    device (src/llama-model.cpp), divided by the block size from the GGUF header. The
+    output layer is the last slot, so it sits on the last device holding any."""
+    from linkctl.gguf_info import read_model
+
+    m = read_model(mpath)
+    block = m.layer_bytes()[0]
+    mib: dict[str, float] = {}
+    for x in re.finditer(r"RPC\d+\[([\d.]+):\d+\] model buffer size =\s*([\d.]+) MiB", log):
+        mib[x.group(1)] = float(x.group(2))
+    sizes = [mib.get(addr[h], 0.0) * 2**20 for h in order]
+    last = max((i for i, b in enumerate(sizes) if b > 0), default=-1)
+    counts = []
+    for i, b in enumerate(sizes):
+        out = m.output_bytes if i == last else 0
+        counts.append(round((b - out) / block) + (i == last))
+    if sum(counts) != m.block_count + 1:
+        raise SystemExit(f"placement {counts} from buffers {sizes} does not add up")
+    return counts
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds per split")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--slow-cpu", type=float, default=0.35, help="dgx2's CPU quota (of 1 CPU)")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--keep", action="store_true", help="leave the lab up")
+    a = ap.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("needs root (network namespaces, a cgroup)")
+    import tomllib
+
+    import tomli_w
+
+    from linkctl.llama import find_bins
+    from linkctl.tinymodel import TinySpec, write_tiny_llama
+
+    bins = find_bins(versions=False)
+    if not (bins.rpc_server and bins.llama_server):
+        raise SystemExit("llama.cpp binaries not found: run scripts/build-llama.sh")
+    name = "sg" + uuid.uuid4().hex[:6]
+    work = Path(tempfile.mkdtemp(prefix="split-gain-"))
+    state = Path(os.environ.setdefault("LINKCTL_STATE_DIR", str(work / "state")))
+    procs: list[Proc] = []
+    slow: CpuLimit | None = None
+    t = str(a.threads)
+    result: dict = {"machine": "2-core VM shared with other jobs", "target_pct": TARGET_PCT}
+    try:
+        linkctl("lab", "up", "--profile", "dgx2-mac-switch", "--name", name, "--json")
+        lab = json.loads((state / "lab" / name / "lab.json").read_text())
+        root = Path(lab["root"])
+        for h in (*RPC_HOSTS, HEAD):
+            in_ns(name, h, "linkctl", "setup")
+        addr = {h["name"]: h["address"].split("/")[0] for h in lab["hosts"]}
+        model = write_tiny_llama(
+            work / "tiny.gguf", TinySpec(n_layer=8, n_embd=512, n_head=8, n_ff=1536, n_ctx=1024)
+        )
+        mpath = model["path"]
+        # The lab's llama.cpp is a CPU build: every host is a "cpu" device here.
+        pdata = tomllib.loads(Path(lab["profile_path"]).read_text())
+        for h in pdata["hosts"]:
+            h["device"], h["memory_gb"] = "cpu", 16
+            h.setdefault("rpc", {})["threads"] = a.threads
+        pdata["serve"] |= {
+            "model": mpath,
+            "ctx": 1024,
+            "threads": a.threads,
+            "port": PORT,
+            "extra_args": ["-np", "1", "-lv", "4"],
+        }
+        prof = work / "profile.toml"
+        prof.write_text(tomli_w.dumps(pdata))
+        slow = CpuLimit(a.slow_cpu)
+        result["slow_host"] = {"host": "dgx2", "limit": slow.kind}
+
+        # The real probe, mac -> each rpc host: the reports serve gates on and estimates from.
+        for h in RPC_HOSTS:
+            resp = Proc(name, h, ["linkctl", "responder", "--profile", str(prof)], work / f"{h}-r")
+            procs.append(resp)
+            wait_port(name, h, addr[h], pdata["probe"]["responder_port"])
+            rep = json.loads(
+                run(
+                    [
+                        PY,
+                        "-m",
+                        "linkctl",
+                        "lab",
+                        "exec",
+                        HEAD,
+                        "--name",
+                        name,
+                        "--",
+                        "linkctl",
+                        "probe",
+                        "--profile",
+                        str(prof),
+                        "--peer",
+                        h,
+                        "--json",
+                    ],
+                    check=False,
+                )
+            )
+            if not rep.get("ok"):
+                raise SystemExit(f"probe {HEAD} -> {h} failed: {json.dumps(rep)[:2000]}")
+            resp.stop()
+            procs.remove(resp)
+
+        # Calibrate each rpc host as it will run: dgx2 inside its CPU quota.
+        cals = {}
+        for h in RPC_HOSTS:
+            argv = [PY, "-m", "linkctl", "calibrate", "--profile", str(prof), "--model", mpath,
+                    "--rpc", "--threads", t, "--tokens", str(a.tokens), "--runs", str(a.runs),
+                    "--json"]  # fmt: skip
+            cals[h] = json.loads(
+                in_ns(name, h, *(slow.wrap(argv) if h == "dgx2" else argv), timeout=1800)
+            )
+        cal_args = [x for h in RPC_HOSTS for x in ("--calibration", cals[h]["saved_to"])]
+        result["calibration"] = {
+            h: {k: c.get(k) for k in ("decode_tok_s", "rpc", "rpc_overhead_us")}
+            for h, c in cals.items()
+        }
+
+        rpc_serves = {}
+        for h in RPC_HOSTS:
+            argv = [PY, "-m", "linkctl", "serve", "--profile", str(prof)]
+            p = Proc(name, h, slow.wrap(argv) if h == "dgx2" else argv, work / f"{h}-serve.log")
+            procs.append(p)
+            rpc_serves[h] = p
+            wait_status(root / "hosts" / h / "serve" / "rpc.json", p, 120, f"{h} rpc-server")
+
+        def serve_head(profile: Path, split: str, tag: str) -> tuple[Proc, dict]:
+            plan = json.loads(
+                in_ns(
+                    name,
+                    HEAD,
+                    "linkctl",
+                    "serve",
+                    "--profile",
+                    str(profile),
+                    "--split",
+                    split,
+                    *cal_args,
+                    "--dry-run",
+                    "--json",
+                )
+            )
+            status = root / "hosts" / HEAD / "serve" / "head.json"
+            status.unlink(missing_ok=True)
+            p = Proc(
+                name,
+                HEAD,
+                ["linkctl", "serve", "--profile", str(profile), "--split", split, *cal_args],
+                work / f"head-{tag}.log",
+            )
+            procs.append(p)
+            wait_status(status, p, 300, f"llama-server ({tag})")
+            return p, plan
+
+        order = list(RPC_HOSTS)
+        runs: dict[str, list[float]] = {"llama": [], "recommended": []}
+        info: dict[str, dict] = {}
+        for rnd in range(a.rounds):
+            for split in ("llama", "recommended"):
+                p, plan = serve_head(prof, split, f"{split}-{rnd}")
+                try:
+                    timings = complete(name, HEAD, PORT, a.tokens, a.runs)
+                finally:
+                    p.stop()
+                    procs.remove(p)
+                counts = placement(p.text(), mpath, order, addr)
+                runs[split] += [r["predicted_per_second"] for r in timings]
+                prev = info.get(split)
+                if prev and prev["placement"] != counts:
+                    raise SystemExit(f"{split}: placement changed {prev['placement']} -> {counts}")
+                info[split] = {
+                    "placement": counts,
+                    "served_argv_ts": plan["head_argv"][plan["head_argv"].index("-ts") + 1]
+                    if "-ts" in plan["head_argv"]
+                    else None,
+                    "serve_split": plan["split"],
+                    "prompt_n": timings[0]["prompt_n"],
+                }
+
+        rows = []
+        for split in ("llama", "recommended"):
+            i = info[split]
+            ctx = int(i["prompt_n"] + a.tokens / 2)
+            est = json.loads(
+                in_ns(
+                    name,
+                    HEAD,
+                    "linkctl",
+                    "estimate",
+                    "--profile",
+                    str(prof),
+                    "--model",
+                    mpath,
+                    *cal_args,
+                    "--tensor-split",
+                    ",".join(map(str, i["placement"])),
+                    "--ctx",
+                    "1024",
+                    "--depth",
+                    str(ctx),
+                    "--prompt",
+                    str(i["prompt_n"]),
+                    "--json",
+                )
+            )
+            pred = est["split"]["decode_tok_s"]
+            med = statistics.median(runs[split])
+            rows.append(
+                {
+                    "split": split,
+                    "placement": dict(zip(order, i["placement"], strict=True)),
+                    "served_ts": i["served_argv_ts"],
+                    "measured_median_tok_s": med,
+                    "measured_min_tok_s": min(runs[split]),
+                    "measured_max_tok_s": max(runs[split]),
+                    "measured_runs": runs[split],
+                    "predicted_tok_s": pred,
+                    "serve_predicted_tok_s": i["serve_split"]["predicted_decode_tok_s"],
+                    "error_pct": (pred - med) / med * 100,
+                    "estimate_recommended_ts": est["recommended_tensor_split"],
+                }
+            )
+        result["rows"] = rows
+        by = {r["split"]: r for r in rows}
+        result["gain"] = by["recommended"]["measured_median_tok_s"] / max(
+            by["llama"]["measured_median_tok_s"], 1e-9
+        )
+        result["recommended_faster"] = result["gain"] > 1.0
+        result["all_within_target"] = all(abs(r["error_pct"]) <= TARGET_PCT for r in rows)
+
+        # Case 2: the head alone cannot hold the model.
+        small = dict(pdata)
+        small["hosts"] = [
+            h | ({"memory_gb": model["bytes"] / 2 / 2**30} if h["name"] == HEAD else {})
+            for h in pdata["hosts"]
+        ]
+        prof2 = work / "profile-small-head.toml"
+        prof2.write_text(tomli_w.dumps(small))
+        est2 = json.loads(
+            in_ns(
+                name,
+                HEAD,
+                "linkctl",
+                "estimate",
+                "--profile",
+                str(prof2),
+                "--model",
+                mpath,
+                *cal_args,
+                "--json",
+            )
+        )
+        p, plan2 = serve_head(prof2, "recommended", "small-head")
+        try:
+            out = complete(name, HEAD, PORT, 16, 1)[0]
+        finally:
+            p.stop()
+            procs.remove(p)
+        result["case2"] = {
+            "head_memory_gb": small["hosts"][-1]["memory_gb"],
+            "fits_head_alone": est2["fits_head_alone"],
+            "recommendation": est2["recommendation"],
+            "served_ts": plan2["split"]["tensor_split"],
+            "tokens_predicted": out.get("tokens_predicted"),
+            "ok": est2["recommendation"] == "split needed" and out.get("tokens_predicted") == 16,
+        }
+    finally:
+        for p in reversed(procs):
+            p.stop()
+        if slow is not None:
+            slow.close()
+        if not a.keep:
+            run([PY, "-m", "linkctl", "lab", "down", "--name", name], check=False)
+
+    ok = result["recommended_faster"] and result["all_within_target"] and result["case2"]["ok"]
+    result["ok"] = ok
+    if a.json:
+        print(json.dumps(result, indent=2))
+    else:
+        c = result["calibration"]
+        print(
+            f"tiny model {model['bytes'] / 1e6:.0f} MB F32, {a.threads} thread(s); dgx2 limited "
+            f"by {result['slow_host']['limit']}; calibrated decode dgx1 "
+            f"{c['dgx1']['decode_tok_s']:.1f}, dgx2 {c['dgx2']['decode_tok_s']:.1f} tok/s "
+            "(local)"
+        )
+        print(
+            f"{'split':<13}{'dgx1,dgx2':>10}{'measured median':>17}{'min-max':>14}"
+            f"{'predicted':>11}{'error':>8}"
+        )
+        for r in rows:
+            pl = ",".join(str(v) for v in r["placement"].values())
+            print(
+                f"{r['split']:<13}{pl:>10}{r['measured_median_tok_s']:>17.1f}"
+                f"{r['measured_min_tok_s']:>7.1f}-{r['measured_max_tok_s']:<6.1f}"
+                f"{r['predicted_tok_s']:>11.1f}{r['error_pct']:>+7.1f}%"
+            )
+        print(
+            f"recommended / llama measured: {result['gain']:.2f}x; "
+            f"every point within +-{TARGET_PCT:.0f}%: "
+            f"{'yes' if result['all_within_target'] else 'NO'}"
+        )
+        c2 = result["case2"]
+        print(
+            f"case 2 (head {c2['head_memory_gb'] * 1024:.0f} MiB): fits head alone "
+            f"{c2['fits_head_alone']}, recommendation {c2['recommendation']!r}, served -ts "
+            f"{c2['served_ts']}, request completed {c2['tokens_predicted']} tokens"
+        )
+        print(f"target: {'met' if ok else 'NOT met'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
