@@ -70,8 +70,18 @@ def linkctl(*args: str, timeout: float = 600) -> str:
     return run([PY, "-m", "linkctl", *args], timeout=timeout)
 
 
-def in_ns(lab: str, host: str, *argv: str, timeout: float = 600) -> str:
-    return linkctl("lab", "exec", host, "--name", lab, "--", *argv, timeout=timeout)
+def ns_argv(lab: str, host: str, argv: list[str], limit: CpuLimit | None = None) -> list[str]:
+    """`linkctl lab exec` argv; inside ``limit``'s cgroup when given. The group is
+    joined outside the namespace: `ip netns exec` mounts its own /sys, without the
+    cgroup tree."""
+    out = [PY, "-m", "linkctl", "lab", "exec", host, "--name", lab, "--", *argv]
+    return limit.wrap(out) if limit else out
+
+
+def in_ns(
+    lab: str, host: str, *argv: str, timeout: float = 600, limit: CpuLimit | None = None
+) -> str:
+    return run(ns_argv(lab, host, list(argv), limit), timeout=timeout)
 
 
 def complete(lab: str, host: str, port: int, n: int, runs: int) -> list[dict]:
@@ -81,11 +91,13 @@ def complete(lab: str, host: str, port: int, n: int, runs: int) -> list[dict]:
 class Proc:
     """A child in a namespace, stopped by its own process group."""
 
-    def __init__(self, lab: str, host: str, argv: list[str], log: Path):
+    def __init__(
+        self, lab: str, host: str, argv: list[str], log: Path, limit: CpuLimit | None = None
+    ):
         self.log = log
         self.f = log.open("w")
         self.p = subprocess.Popen(
-            [PY, "-m", "linkctl", "lab", "exec", host, "--name", lab, "--", *argv],
+            ns_argv(lab, host, argv, limit),
             stdout=self.f,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -102,7 +114,8 @@ class Proc:
         self.f.close()
 
     def text(self) -> str:
-        self.f.flush()
+        if not self.f.closed:
+            self.f.flush()
         return self.log.read_text(errors="replace")
 
 

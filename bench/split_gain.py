@@ -173,7 +173,7 @@ def main() -> int:
                     "--rpc", "--threads", t, "--tokens", str(a.tokens), "--runs", str(a.runs),
                     "--json"]  # fmt: skip
             cals[h] = json.loads(
-                in_ns(name, h, *(slow.wrap(argv) if h == "dgx2" else argv), timeout=1800)
+                in_ns(name, h, *argv, timeout=1800, limit=slow if h == "dgx2" else None)
             )
         cal_args = [x for h in RPC_HOSTS for x in ("--calibration", cals[h]["saved_to"])]
         result["calibration"] = {
@@ -184,7 +184,8 @@ def main() -> int:
         rpc_serves = {}
         for h in RPC_HOSTS:
             argv = [PY, "-m", "linkctl", "serve", "--profile", str(prof)]
-            p = Proc(name, h, slow.wrap(argv) if h == "dgx2" else argv, work / f"{h}-serve.log")
+            lim = slow if h == "dgx2" else None
+            p = Proc(name, h, argv, work / f"{h}-serve.log", limit=lim)
             procs.append(p)
             rpc_serves[h] = p
             wait_status(root / "hosts" / h / "serve" / "rpc.json", p, 120, f"{h} rpc-server")

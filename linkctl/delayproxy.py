@@ -110,6 +110,11 @@ class Stats:
     s2c_bytes: int = 0
     turns: int = 0  # server replies that followed client data (synchronous round trips)
     rpc_commands: collections.Counter = field(default_factory=collections.Counter)
+    # How late chunks left the proxy after their release time (sleep overshoot and
+    # waiting for a CPU): the proxy's own share of the lab link's latency.
+    late_chunks: int = 0
+    late_us_sum: float = 0.0
+    late_us_max: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -120,6 +125,9 @@ class Stats:
             "s2c_bytes": self.s2c_bytes,
             "turns": self.turns,
             "rpc_commands": dict(self.rpc_commands),
+            "late_chunks": self.late_chunks,
+            "late_us_sum": self.late_us_sum,
+            "late_us_max": self.late_us_max,
         }
 
 
@@ -187,6 +195,12 @@ class _Pipe:
                 left = release - time.monotonic()
                 if left > 0:
                     time.sleep(left)
+                late = (time.monotonic() - release) * 1e6
+                st = self.proxy.stats
+                with self.proxy.lock:
+                    st.late_chunks += 1
+                    st.late_us_sum += late
+                    st.late_us_max = max(st.late_us_max, late)
                 self.dst.sendall(data)
         except OSError:
             pass
