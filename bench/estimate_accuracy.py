@@ -5,27 +5,34 @@ Needs root (namespaces) and the llama.cpp binaries (scripts/build-llama.sh).
 1. A fresh lab (`linkctl lab up --profile dgx-mac`), `linkctl setup` on both ends.
 2. A tiny random-weight llama GGUF (linkctl.tinymodel; F32, 8 layers x 512 wide,
    ~110 MB: big enough that a token is memory-bound work, small enough for CI).
-3. `linkctl calibrate --rpc` inside the dgx namespace: this host's real decode
+3. dgx's processes (calibrate and its llama.cpp servers, then rpc-server) run in a
+   child cgroup with a CPU quota (--cpu, default 60% of one CPU, 1 ms per period;
+   made here and removed at the end). On this shared 2-core machine the other
+   jobs' load otherwise sets dgx's speed, and it drifts between the calibration and
+   the measurement; under a quota below what the machine leaves free, the speed is
+   the quota's.
+4. `linkctl calibrate --rpc` inside the dgx namespace: this host's real decode
    bandwidth and the fixed per-token cost of one RPC boundary (loopback).
-4. ggml-rpc-server on dgx 198.18.100.2:50052; the delay proxy (python -m
+5. ggml-rpc-server on dgx 198.18.100.2:50052; the delay proxy (python -m
    linkctl.delayproxy) in the dgx namespace on :50053 in front of it, delaying
    each direction by D ms; llama-server in the mac namespace with
    --rpc 198.18.100.2:50053 (CPU-only build: every layer is on the rpc device,
    the head keeps the input embeddings).
-5. For D in 0, 0.25, 1, 2 ms:
+6. --rounds interleaved rounds, each over D in 0, 0.25, 1, 2 ms (so drift in the
+   machine's load lands on every point alike):
    - the link round trip through the proxy, from mac: p50 of 200
      GET_DEVICE_MEMORY exchanges (before llama-server connects: rpc-server
      serves one client at a time);
-   - measured: the fastest of --runs /completion runs of N tokens (llama-server's
-     timings.predicted_per_second; other load only slows runs down), median beside it;
-   - round trips per token: the proxy's counters across two requests of 16 and
-     16+N tokens, difference / N (prefill cancels out);
-   - predicted: `linkctl estimate --json` in the mac namespace with that RTT,
-     the link throughput (iperf3 between the namespaces), the dgx calibration,
-     and --ctx = the run's mean context.
-6. A table with the error of each point; target +-15%.
+   - --runs /completion runs of N tokens (llama-server's
+     timings.predicted_per_second); how late the proxy released its chunks;
+   - first round: round trips per token from the proxy's counters across two
+     requests of 16 and 16+N tokens, difference / N (prefill cancels out).
+7. Per delay: measured = the median of every run, with min-max; predicted =
+   `linkctl estimate --json` in the mac namespace with the median RTT, the link
+   throughput (iperf3 between the namespaces), the dgx calibration and --depth =
+   the runs' mean context. Target: every point within +-15%.
 
-    sudo .venv/bin/python bench/estimate_accuracy.py [--tokens 64] [--threads 1] [--json]
+    sudo .venv/bin/python bench/estimate_accuracy.py [--tokens 64] [--rounds 2] [--json]
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ import time
 import uuid
 from pathlib import Path
 
-from labkit import HEALTH, PY, RTT, Proc, complete, in_ns, linkctl, run, wait_port
+from labkit import HEALTH, PY, RTT, CpuLimit, Proc, complete, in_ns, linkctl, run, wait_port
 
 DELAYS_MS = (0.0, 0.25, 1.0, 2.0)
 TARGET_PCT = 15.0
@@ -65,6 +72,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=5, help="timed requests per delay per round")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds over the delays")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--cpu", type=float, default=0.6, help="dgx's CPU quota (of 1 CPU); 0: none")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--keep", action="store_true", help="leave the lab up")
     a = ap.parse_args()
@@ -81,6 +89,7 @@ def main() -> int:
     env_state = os.environ.setdefault("LINKCTL_STATE_DIR", str(work / "state"))
     procs: list[Proc] = []
     rows = []
+    limit = CpuLimit(a.cpu) if a.cpu else None
     try:
         linkctl("lab", "up", "--profile", "dgx-mac", "--name", name, "--json")
         lab = json.loads((Path(env_state) / "lab" / name / "lab.json").read_text())
@@ -106,26 +115,10 @@ def main() -> int:
 
         # Calibrate on the host that will run the layers (dgx), alone and via loopback RPC.
         cal = json.loads(
-            in_ns(
-                name,
-                "dgx",
-                "linkctl",
-                "calibrate",
-                "--profile",
-                str(cpu_profile),
-                "--model",
-                mpath,
-                "--rpc",
-                "--threads",
-                t,
-                "--tokens",
-                str(a.tokens),
-                "--runs",
-                str(a.runs),
-                "--json",
-                timeout=1200,
-            )
-        )
+            in_ns(name, "dgx", PY, "-m", "linkctl", "calibrate", "--profile", str(cpu_profile),
+                  "--model", mpath, "--rpc", "--threads", t, "--tokens", str(a.tokens),
+                  "--runs", str(a.runs), "--json", timeout=1200, limit=limit)
+        )  # fmt: skip
         cal_file = Path(cal["saved_to"])
 
         # Link throughput, as `linkctl probe` would measure it (iperf3 between the ends).
@@ -142,6 +135,7 @@ def main() -> int:
             "dgx",
             [bins.rpc_server.path, "-H", dgx_ip, "-p", "50052", "-t", t],
             work / "rpc-server.log",
+            limit=limit,
         )
         procs.append(rpc)
         wait_port(name, "dgx", dgx_ip, 50052)
@@ -249,6 +243,8 @@ def main() -> int:
     finally:
         for p in reversed(procs):
             p.stop()
+        if limit is not None:
+            limit.close()
         if not a.keep:
             run([PY, "-m", "linkctl", "lab", "down", "--name", name], check=False)
     ok = all(abs(r["error_pct"]) <= TARGET_PCT for r in rows)
@@ -258,6 +254,7 @@ def main() -> int:
         "threads": a.threads,
         "tokens": a.tokens,
         "runs_per_round": a.runs,
+        "cpu_limit": limit.kind if limit else None,
         "rounds": a.rounds,
         "link_throughput_gbps": thr_gbps,
         "calibration": {
@@ -275,7 +272,8 @@ def main() -> int:
         print(
             f"tiny model {model['bytes'] / 1e6:.0f} MB F32, {a.threads} thread(s); calibrated "
             f"local {c['decode_tok_s']:.1f} tok/s, RPC overhead {c['rpc_overhead_us']:.0f} "
-            f"µs/token; link {thr_gbps:.1f} Gbit/s; {a.rounds} interleaved rounds x {a.runs} runs"
+            f"µs/token; link {thr_gbps:.1f} Gbit/s; {a.rounds} interleaved rounds x {a.runs} runs; "
+            f"dgx CPU quota {a.cpu:.0%} of one CPU"
         )
         print(
             f"{'one-way delay':>14}{'RTT':>9}{'median':>9}{'min-max':>14}{'predicted':>11}"

@@ -154,9 +154,16 @@ class CpuLimit:
     V2_ALT = Path("/sys/fs/cgroup")
     V1 = Path("/sys/fs/cgroup/cpu")
 
-    def __init__(self, fraction: float, period_us: int = 20000):
+    def __init__(self, fraction: float):
+        # A quota caps the group's CPU share per period; a host that idles between its
+        # bursts (waiting for the other host's layers) would never reach a long period's
+        # cap. With the kernel's smallest quota (1 ms) and a period of quota / fraction,
+        # every burst longer than a few ms is slowed by ~1/fraction: a slower device.
+        if not 0.05 <= fraction <= 1:
+            raise SystemExit(f"cpu fraction {fraction}: give 0.05..1")
+        quota = 1000
+        period_us = int(quota / fraction)
         self.fraction, self.period_us = fraction, period_us
-        quota = max(1000, int(fraction * period_us))
         name = "linkctl-bench-" + uuid.uuid4().hex[:8]
         for root in (self.V2, self.V2_ALT):
             ctl = root / "cgroup.controllers"
@@ -177,6 +184,18 @@ class CpuLimit:
             (self.path / "cpu.cfs_period_us").write_text(f"{period_us}\n")
             (self.path / "cpu.cfs_quota_us").write_text(f"{quota}\n")
             self.kind = f"cgroup v1 {self.path} cfs_quota_us {quota} / cfs_period_us {period_us}"
+
+    def pids(self) -> list[int]:
+        return [int(x) for x in (self.path / "cgroup.procs").read_text().split()]
+
+    def throttled(self) -> dict[str, int]:
+        """cpu.stat counters (nr_periods, nr_throttled, throttled time)."""
+        out = {}
+        for line in (self.path / "cpu.stat").read_text().splitlines():
+            k, _, v = line.partition(" ")
+            if v.isdigit():
+                out[k] = int(v)
+        return out
 
     def wrap(self, argv: list[str]) -> list[str]:
         """argv run inside this group (the shell joins it, then execs argv)."""

@@ -6,9 +6,12 @@ Case 1, unequal rpc hosts:
 1. A fresh lab of the dgx2-mac-switch profile (dgx1 and dgx2 run rpc-server, mac
    is the head; the lab's llama.cpp is a CPU build, so the head holds no layers and
    the split is between the two rpc hosts). `linkctl setup` on every host.
-2. dgx2 is made slower than dgx1: its processes run in a child cgroup of this
-   machine with a CPU quota (--slow-cpu, default 35% of one CPU; cgroup v2 cpu.max,
-   or the v1 CFS quota where cpu is bound to v1), created here and removed at the end.
+2. dgx2 is made slower than dgx1: each rpc host's processes run in a child cgroup
+   of this machine with a CPU quota (--fast-cpu 50% of one CPU for dgx1, --slow-cpu
+   20% for dgx2; 1 ms per period of 1 ms / share, so every burst of work is slowed,
+   not only a busy host's average; cgroup v2 cpu.max, or the v1 CFS quota where cpu
+   is bound to v1), created here and removed at the end. Quotas below what the
+   shared machine leaves free keep each host's speed its own, not the other jobs'.
 3. A tiny random-weight llama GGUF (linkctl.tinymodel; F32, 8 layers x 512).
 4. The real probe from mac to each rpc host (`linkctl responder` there), so the
    head has the saved probe reports `serve` estimates from.
@@ -82,7 +85,8 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds per split")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--slow-cpu", type=float, default=0.35, help="dgx2's CPU quota (of 1 CPU)")
+    ap.add_argument("--fast-cpu", type=float, default=0.5, help="dgx1's CPU quota (of 1 CPU)")
+    ap.add_argument("--slow-cpu", type=float, default=0.2, help="dgx2's CPU quota (of 1 CPU)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--keep", action="store_true", help="leave the lab up")
     a = ap.parse_args()
@@ -102,7 +106,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="split-gain-"))
     state = Path(os.environ.setdefault("LINKCTL_STATE_DIR", str(work / "state")))
     procs: list[Proc] = []
-    slow: CpuLimit | None = None
+    limits: dict[str, CpuLimit] = {}
     t = str(a.threads)
     result: dict = {"machine": "2-core VM shared with other jobs", "target_pct": TARGET_PCT}
     try:
@@ -130,8 +134,8 @@ def main() -> int:
         }
         prof = work / "profile.toml"
         prof.write_text(tomli_w.dumps(pdata))
-        slow = CpuLimit(a.slow_cpu)
-        result["slow_host"] = {"host": "dgx2", "limit": slow.kind}
+        limits["dgx1"] = CpuLimit(a.fast_cpu)
+        limits["dgx2"] = CpuLimit(a.slow_cpu)
 
         # The real probe, mac -> each rpc host: the reports serve gates on and estimates from.
         for h in RPC_HOSTS:
@@ -172,9 +176,7 @@ def main() -> int:
             argv = [PY, "-m", "linkctl", "calibrate", "--profile", str(prof), "--model", mpath,
                     "--rpc", "--threads", t, "--tokens", str(a.tokens), "--runs", str(a.runs),
                     "--json"]  # fmt: skip
-            cals[h] = json.loads(
-                in_ns(name, h, *argv, timeout=1800, limit=slow if h == "dgx2" else None)
-            )
+            cals[h] = json.loads(in_ns(name, h, *argv, timeout=1800, limit=limits[h]))
         cal_args = [x for h in RPC_HOSTS for x in ("--calibration", cals[h]["saved_to"])]
         result["calibration"] = {
             h: {k: c.get(k) for k in ("decode_tok_s", "rpc", "rpc_overhead_us")}
@@ -184,11 +186,13 @@ def main() -> int:
         rpc_serves = {}
         for h in RPC_HOSTS:
             argv = [PY, "-m", "linkctl", "serve", "--profile", str(prof)]
-            lim = slow if h == "dgx2" else None
+            lim = limits[h]
             p = Proc(name, h, argv, work / f"{h}-serve.log", limit=lim)
             procs.append(p)
             rpc_serves[h] = p
-            wait_status(root / "hosts" / h / "serve" / "rpc.json", p, 120, f"{h} rpc-server")
+            st = wait_status(root / "hosts" / h / "serve" / "rpc.json", p, 120, f"{h} rpc-server")
+            if st["child_pid"] not in lim.pids():
+                raise SystemExit(f"{h}'s rpc-server {st['child_pid']} is not in {lim.kind}")
 
         def serve_head(profile: Path, split: str, tag: str) -> tuple[Proc, dict]:
             plan = json.loads(
@@ -243,6 +247,9 @@ def main() -> int:
                     "prompt_n": timings[0]["prompt_n"],
                 }
 
+        result["cpu_limits"] = {
+            h: {"limit": x.kind, "cpu_stat": x.throttled()} for h, x in limits.items()
+        }
         rows = []
         for split in ("llama", "recommended"):
             i = info[split]
@@ -333,8 +340,8 @@ def main() -> int:
     finally:
         for p in reversed(procs):
             p.stop()
-        if slow is not None:
-            slow.close()
+        for x in limits.values():
+            x.close()
         if not a.keep:
             run([PY, "-m", "linkctl", "lab", "down", "--name", name], check=False)
 
@@ -345,8 +352,8 @@ def main() -> int:
     else:
         c = result["calibration"]
         print(
-            f"tiny model {model['bytes'] / 1e6:.0f} MB F32, {a.threads} thread(s); dgx2 limited "
-            f"by {result['slow_host']['limit']}; calibrated decode dgx1 "
+            f"tiny model {model['bytes'] / 1e6:.0f} MB F32, {a.threads} thread(s); CPU quota "
+            f"dgx1 {a.fast_cpu:.0%}, dgx2 {a.slow_cpu:.0%} of one CPU; calibrated decode dgx1 "
             f"{c['dgx1']['decode_tok_s']:.1f}, dgx2 {c['dgx2']['decode_tok_s']:.1f} tok/s "
             "(local)"
         )
