@@ -48,7 +48,7 @@ from linkctl.gguf_info import ModelInfo
 # Decode coefficient indices (DECODE_FEATURES) and prefill ones (PREFILL_FEATURES).
 D_BLOCK, D_MOE, D_Q, D_F16, D_KV = range(5)
 P_UB, P_MOE_UB, P_Q, P_F16, P_MOE, P_ATTN = range(6)
-KV_DEPTH_MIN = 2048  # a decode row this deep pins the KV bandwidth
+KV_DEPTH_MIN = 2048  # a decode row this deep (mean position) pins the KV bandwidth
 F16_SHARE_MIN = 0.5  # a row whose weight bytes are mostly F16 pins the F16 terms
 
 
@@ -236,21 +236,29 @@ def _distinct(rows: list[Row]) -> int:
     return len({tuple(round(v, 6) for v in row_features(r)) for r in rows})
 
 
+def _tied_note(prior: Prior, why: str, base: str, alone: int = 1) -> str:
+    """Why a term is tied to another, and to what ratio."""
+    if prior.anchor:
+        return f"assumed ({why}): {base} x the ratio in the {prior.anchor} fit"
+    return f"assumed ({why}): {base} x {alone} (no device to borrow a ratio from)"
+
+
 def fit_decode(rows: list[Row], prior: Prior) -> tuple[list[float], dict[str, str]]:
     pc = prior.decode
-    src = f"the {prior.anchor} fit" if prior.anchor else "no prior device: ratio 1 (0 for MoE)"
+    src = f"the {prior.anchor} fit" if prior.anchor else "no device to borrow from"
+
     ties: dict[int, tuple[int, float]] = {}
     fixed: dict[int, float] = {}
     notes: dict[str, str] = {}
     if not any(_f16_heavy(r) for r in rows):
         ties[D_F16] = (D_Q, prior.ratio(pc, D_F16, D_Q, 1.0))
-        notes["bw_f16_gbs"] = f"assumed (no F16 rows): bw_gbs x the ratio of {src}"
-    if not any(r.depth >= KV_DEPTH_MIN for r in rows):
+        notes["bw_f16_gbs"] = _tied_note(prior, "no F16 rows", "bw_gbs")
+    if not any(r.depth + r.n / 2 >= KV_DEPTH_MIN for r in rows):
         ties[D_KV] = (D_Q, prior.ratio(pc, D_KV, D_Q, 1.0))
-        notes["kv_bw_gbs"] = f"assumed (no deep decode rows): bw_gbs x the ratio of {src}"
+        notes["kv_bw_gbs"] = _tied_note(prior, "no deep decode rows", "bw_gbs")
     if not any(row_model(r).is_moe for r in rows):
         ties[D_MOE] = (D_BLOCK, prior.ratio(pc, D_MOE, D_BLOCK, 0.0))
-        notes["moe_layer_us"] = f"assumed (no MoE rows): layer_us x the ratio of {src}"
+        notes["moe_layer_us"] = _tied_note(prior, "no MoE rows", "layer_us", 0)
     n = _distinct(rows)
     order = [D_MOE, D_KV, D_F16]
     while 5 - len(ties) - len(fixed) > n and order:
@@ -258,7 +266,7 @@ def fit_decode(rows: list[Row], prior: Prior) -> tuple[list[float], dict[str, st
         if i not in ties:
             partner = D_BLOCK if i == D_MOE else D_Q
             ties[i] = (partner, prior.ratio(pc, i, partner, 1.0 if i != D_MOE else 0.0))
-            notes[DECODE_NAMES[i]] = f"assumed (too few rows): ratio of {src}"
+            notes[DECODE_NAMES[i]] = f"assumed (too few rows): the ratio in {src}"
     if 5 - len(ties) - len(fixed) > n:
         # One row cannot split per-block cost from bandwidth: take the share of the
         # spec bandwidth the family anchor reaches and fit the per-block cost, unless
@@ -279,23 +287,21 @@ def fit_decode(rows: list[Row], prior: Prior) -> tuple[list[float], dict[str, st
 
 def fit_prefill(rows: list[Row], prior: Prior) -> tuple[list[float], dict[str, str]]:
     pc = prior.prefill
-    src = f"the {prior.anchor} fit" if prior.anchor else "no prior device: ratio 1 (0 for MoE)"
+    src = f"the {prior.anchor} fit" if prior.anchor else "no device to borrow from"
     ties: dict[int, tuple[int, float]] = {}
     fixed: dict[int, float] = {}
     notes: dict[str, str] = {}
     if not any(_f16_heavy(r) for r in rows):
         ties[P_F16] = (P_Q, prior.ratio(pc, P_F16, P_Q, 1.0))
-        notes["tflops_f16"] = f"assumed (no F16 rows): tflops x the ratio of {src}"
+        notes["tflops_f16"] = _tied_note(prior, "no F16 rows", "tflops")
     if not any(r.depth + r.n >= 4096 for r in rows):
         ties[P_ATTN] = (P_Q, prior.ratio(pc, P_ATTN, P_Q, 1.0))
-        notes["attn_tflops"] = f"assumed (no long-context rows): tflops x the ratio of {src}"
+        notes["attn_tflops"] = _tied_note(prior, "no long-context rows", "tflops")
     if not any(row_model(r).is_moe for r in rows):
         ties[P_MOE] = (P_Q, prior.ratio(pc, P_MOE, P_Q, 1.0))
         ties[P_MOE_UB] = (P_UB, prior.ratio(pc, P_MOE_UB, P_UB, 0.0))
-        notes["moe_tflops"] = f"assumed (no MoE rows): tflops x the ratio of {src}"
-        notes["moe_ubatch_layer_us"] = (
-            f"assumed (no MoE rows): ubatch_layer_us x the ratio of {src}"
-        )
+        notes["moe_tflops"] = _tied_note(prior, "no MoE rows", "tflops")
+        notes["moe_ubatch_layer_us"] = _tied_note(prior, "no MoE rows", "ubatch_layer_us", 0)
     n = _distinct(rows)
     order = [P_MOE_UB, P_ATTN, P_F16, P_MOE]
     while 6 - len(ties) - len(fixed) > n and order:
@@ -303,7 +309,7 @@ def fit_prefill(rows: list[Row], prior: Prior) -> tuple[list[float], dict[str, s
         if i not in ties:
             partner = P_UB if i == P_MOE_UB else P_Q
             ties[i] = (partner, prior.ratio(pc, i, partner, 0.0 if i == P_MOE_UB else 1.0))
-            notes[PREFILL_NAMES[i]] = f"assumed (too few rows): ratio of {src}"
+            notes[PREFILL_NAMES[i]] = f"assumed (too few rows): the ratio in {src}"
     if 6 - len(ties) - len(fixed) > n:
         fixed[P_UB] = pc[P_UB]
         if P_MOE_UB in ties:

@@ -20,7 +20,7 @@ from linkctl.errors import InputError
 from linkctl.gguf_info import ModelInfo, TensorInfo, tensor_nbytes
 
 # ggml type ids (ggml.h enum ggml_type)
-F32, F16, Q4_0, Q8_0, Q6_K, MXFP4 = 0, 1, 2, 8, 14, 39
+F32, F16, Q4_0, Q8_0, Q4_K, Q6_K, MXFP4 = 0, 1, 2, 8, 12, 14, 39
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,12 @@ HF = "https://huggingface.co/{}/blob/main/config.json"
 SHAPES: dict[str, Shape] = {
     "llama-2-7b": Shape(
         "llama", 32, 4096, 32, 32, 11008, 32000, config=HF.format("meta-llama/Llama-2-7b-hf")
+    ),
+    "llama-3-8b": Shape(
+        "llama", 32, 4096, 32, 8, 14336, 128256, config=HF.format("meta-llama/Meta-Llama-3-8B")
+    ),
+    "llama-3-70b": Shape(
+        "llama", 80, 8192, 64, 8, 28672, 128256, config=HF.format("meta-llama/Meta-Llama-3-70B")
     ),
     "llama-3.2-3b": Shape(
         "llama",
@@ -139,7 +145,20 @@ SHAPES: dict[str, Shape] = {
 }
 
 
-_TYPE_NAMES = {"F32": F32, "F16": F16, "Q4_0": Q4_0, "Q8_0": Q8_0, "Q6_K": Q6_K, "MXFP4": MXFP4}
+_TYPE_NAMES = {
+    "F32": F32,
+    "F16": F16,
+    "Q4_0": Q4_0,
+    "Q8_0": Q8_0,
+    "Q4_K": Q4_K,
+    "Q6_K": Q6_K,
+    "MXFP4": MXFP4,
+}
+
+
+def _use_more_bits(i: int, n: int) -> bool:
+    """llama-quant.cpp use_more_bits: the blocks Q4_K_M gives Q6_K attn_v/ffn_down."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
 def _types(quant: str, tied: bool) -> tuple[int, int, int, int]:
@@ -168,21 +187,27 @@ def _base_types(q: str) -> tuple[int, int, int, int]:
         return Q4_0, Q4_0, Q6_K, Q4_0
     if q == "MXFP4":
         return Q8_0, MXFP4, Q8_0, Q8_0
-    raise InputError(f"quantization {q!r} has no shape rule", "use F16, Q8_0, Q4_0 or MXFP4")
+    if q == "Q4_K_M":  # attn_v / ffn_down get Q6_K in some blocks (see tensors())
+        return Q4_K, Q4_K, Q6_K, Q4_K
+    raise InputError(
+        f"quantization {q!r} has no shape rule", "use F16, Q8_0, Q4_0, Q4_K_M or MXFP4"
+    )
 
 
 def tensors(shape: Shape, quant: str) -> list[tuple[str, tuple[int, ...], int]]:
     """(name, ggml shape ne0 first, ggml type) of every tensor of ``shape``."""
     w, wx, wo, we = _types(quant, shape.tied)
+    k_m = quant.upper().startswith("Q4_K_M")
     e, hd = shape.n_embd, shape.hd
     out: list[tuple[str, tuple[int, ...], int]] = [("token_embd.weight", (e, shape.vocab), we)]
     for i in range(shape.n_layer):
         p = f"blk.{i}."
+        more = Q6_K if k_m and _use_more_bits(i, shape.n_layer) else w
         out += [
             (p + "attn_norm.weight", (e,), F32),
             (p + "attn_q.weight", (e, shape.n_head * hd), w),
             (p + "attn_k.weight", (e, shape.n_head_kv * hd), w),
-            (p + "attn_v.weight", (e, shape.n_head_kv * hd), w),
+            (p + "attn_v.weight", (e, shape.n_head_kv * hd), more),
             (p + "attn_output.weight", (shape.n_head * hd, e), w),
             (p + "ffn_norm.weight", (e,), F32),
         ]
@@ -198,7 +223,7 @@ def tensors(shape: Shape, quant: str) -> list[tuple[str, tuple[int, ...], int]]:
             out += [
                 (p + "ffn_gate.weight", (e, shape.n_ff), w),
                 (p + "ffn_up.weight", (e, shape.n_ff), w),
-                (p + "ffn_down.weight", (shape.n_ff, e), w),
+                (p + "ffn_down.weight", (shape.n_ff, e), more),
             ]
     out.append(("output_norm.weight", (e,), F32))
     if not shape.tied:
