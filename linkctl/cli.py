@@ -6,6 +6,7 @@ Heavy modules (pyroute2, scapy, gguf) are imported inside the commands so
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import os
@@ -61,8 +62,28 @@ def _keep_examples(cmd: Any) -> None:
         _keep_examples(sub)
 
 
+def _only(argv: list[str]) -> typer.Typer:
+    """The app with only the command ``argv`` names (its first word that is not an
+    option; the root takes flags only), when it names one: typer builds every
+    registered command's parameters on start-up (~60 ms for all twenty), which a
+    read-only command like `linkctl status` need not pay. Help, usage errors and
+    unknown names get the whole app, so what anyone sees is unchanged."""
+    name = next((a for a in argv if not a.startswith("-")), None)
+    cmds = [c for c in app.registered_commands if _command_name(c) == name]
+    groups = [g for g in app.registered_groups if g.name == name]
+    if not cmds and not groups:
+        return app
+    only = copy.copy(app)  # same callback, settings and help; fewer commands
+    only.registered_commands, only.registered_groups = cmds, groups
+    return only
+
+
+def _command_name(c: Any) -> str:
+    return c.name or typer.main.get_command_name(c.callback.__name__)
+
+
 def main() -> None:
-    cmd = typer.main.get_command(app)
+    cmd = typer.main.get_command(_only(sys.argv[1:]))
     _keep_examples(cmd)
     try:
         cmd(prog_name="linkctl")

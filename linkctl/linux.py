@@ -1,6 +1,8 @@
-"""Linux backend: runtime state through pyroute2 netlink, persistence through NetworkManager.
+"""Linux backend: runtime state through netlink, persistence through NetworkManager.
 
-No shelling out to ``ip``. NetworkManager (which owns the device on DGX
+No shelling out to ``ip``: state is read with linkctl.rtnl (a small rtnetlink reader,
+so read-only commands never import pyroute2) and changed with pyroute2, imported
+only when a change is executed. NetworkManager (which owns the device on DGX
 OS/Ubuntu) is driven with ``nmcli`` through the command runner, because a
 bare netlink address on an NM-managed device is flushed by NM and lost at
 reboot.
@@ -10,30 +12,53 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import os
 import socket
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import psutil
-from pyroute2 import IPRoute
-from pyroute2.netlink.exceptions import NetlinkError
-
+from linkctl import rtnl
 from linkctl.errors import ApplyError, CheckFailed, InputError
 from linkctl.netstate import LinkFacts, Route
 from linkctl.plan import Change, Plan
 from linkctl.profile import HostSpec, LinkSpec
 from linkctl.runner import CommandFailed, Runner
 
+if TYPE_CHECKING:
+    from pyroute2 import IPRoute
+    from pyroute2.netlink.exceptions import NetlinkError
+
 MAIN_TABLE = 254
 IFF_UP = 0x1
 _PROTO = {2: "kernel", 3: "boot", 4: "static", 16: "dhcp", 186: "bgp", 196: "ra"}
 _SCOPE = {0: "universe", 200: "site", 253: "link", 254: "host", 255: "nowhere"}
 NMCLI_NOT_FOUND = 10  # nmcli(1) exit status: connection, device or access point does not exist
+# The system bus's default socket (dbus-daemon(1)); /var/run is a link to /run on Debian.
+DBUS_SYSTEM_SOCKETS = ("/run/dbus/system_bus_socket", "/var/run/dbus/system_bus_socket")
+
+
+def _system_bus_present() -> bool:
+    """Whether nmcli could reach any NetworkManager: nmcli talks to NM over the D-Bus
+    system bus only (DBUS_SYSTEM_BUS_ADDRESS, else the default socket), so without
+    that socket NM manages nothing here and spawning nmcli is skipped."""
+    addr = os.environ.get("DBUS_SYSTEM_BUS_ADDRESS")
+    if not addr:
+        return any(os.path.exists(p) for p in DBUS_SYSTEM_SOCKETS)
+    paths = [
+        part.split("=", 1)[1]
+        for entry in addr.split(";")
+        for part in entry.split(":", 1)[-1].split(",")
+        if entry.startswith("unix:") and part.startswith("path=")
+    ]
+    # Other transports (abstract sockets, tcp) cannot be checked cheaply: ask nmcli.
+    return not paths or any(os.path.exists(p) for p in paths)
 
 
 @contextmanager
 def _ipr():
+    from pyroute2 import IPRoute
+
     ipr = IPRoute()
     try:
         yield ipr
@@ -50,81 +75,81 @@ class LinuxBackend:
 
     def __init__(self, runner: Runner):
         self.runner = runner
+        # Who manages each interface (nmcli costs a process): asked once per interface
+        # and forgotten whenever a change is executed, so carrier polls spawn nothing.
+        self._owners: dict[str, tuple[str, str]] = {}
 
     # ---- facts -------------------------------------------------------------
 
     def interfaces(self) -> list[str]:
-        with _ipr() as ipr:
-            return sorted(link.get("IFLA_IFNAME") for link in ipr.get_links())
+        return sorted(link.name for link in rtnl.links())
 
-    def _index(self, ipr: IPRoute, ifname: str) -> int:
-        idx = ipr.link_lookup(ifname=ifname)
-        if not idx:
-            others = sorted(link.get("IFLA_IFNAME") for link in ipr.get_links())
-            raise InputError(
-                f"interface {ifname!r} does not exist here",
-                f"set hosts.interface to one of: {', '.join(others)}",
-            )
-        return idx[0]
+    @staticmethod
+    def _link(ifname: str) -> rtnl.Link:
+        all_links = rtnl.links()
+        for link in all_links:
+            if link.name == ifname:
+                return link
+        raise InputError(
+            f"interface {ifname!r} does not exist here",
+            f"set hosts.interface to one of: {', '.join(sorted(lk.name for lk in all_links))}",
+        )
 
     def link_facts(self, ifname: str) -> LinkFacts:
-        with _ipr() as ipr:
-            index = self._index(ipr, ifname)
-            link = ipr.get_links(index)[0]
-            addrs = tuple(
-                f"{a.get('IFA_ADDRESS')}/{a['prefixlen']}"
-                for a in ipr.get_addr(family=socket.AF_INET, index=index)
-            )
+        import psutil
+
+        link = self._link(ifname)
+        addrs = tuple(f"{a.address}/{a.prefixlen}" for a in rtnl.ipv4_addrs(link.index))
         # psutil reads speed/duplex through the ethtool ioctl in this netns.
         stats = psutil.net_if_stats().get(ifname)
-        carrier = bool(link.get("IFLA_CARRIER"))
+        carrier = link.carrier
         speed = stats.speed if stats and stats.speed > 0 and carrier else None
         duplex = None
         if stats and carrier:
             duplex = {psutil.NIC_DUPLEX_FULL: "full", psutil.NIC_DUPLEX_HALF: "half"}.get(
                 stats.duplex
             )
-        owner, detail = self._owner(ifname, index)
+        if ifname not in self._owners:
+            self._owners[ifname] = self._owner(ifname, link.index)
+        owner, detail = self._owners[ifname]
         return LinkFacts(
             ifname=ifname,
-            up=bool(link["flags"] & IFF_UP),
+            up=bool(link.flags & IFF_UP),
             carrier=carrier,
-            mtu=int(link.get("IFLA_MTU")),
-            mac=link.get("IFLA_ADDRESS"),
+            mtu=link.mtu,
+            mac=link.mac,
             addresses=addrs,
             speed_mbps=speed,
             duplex=duplex,
-            min_mtu=link.get("IFLA_MIN_MTU") or None,
-            max_mtu=link.get("IFLA_MAX_MTU") or None,
+            min_mtu=link.min_mtu,
+            max_mtu=link.max_mtu,
             owner=owner,
             owner_detail=detail,
         )
 
     def routes(self) -> list[Route]:
-        with _ipr() as ipr:
-            names = {link["index"]: link.get("IFLA_IFNAME") for link in ipr.get_links()}
-            out = []
-            for r in ipr.get_routes(family=socket.AF_INET, table=MAIN_TABLE):
-                if r.get("RTA_TABLE", r["table"]) != MAIN_TABLE:
-                    continue
-                dst = f"{r.get('RTA_DST') or '0.0.0.0'}/{r['dst_len']}"
-                detail = {
-                    "proto": _PROTO.get(r["proto"], str(r["proto"])),
-                    "scope": _SCOPE.get(r["scope"], str(r["scope"])),
-                    "type": str(r["type"]),
-                    "prefsrc": str(r.get("RTA_PREFSRC") or ""),
-                    "flags": str(r["flags"]),
-                }
-                out.append(
-                    Route(
-                        dst=dst,
-                        gateway=r.get("RTA_GATEWAY"),
-                        ifname=names.get(r.get("RTA_OIF")),
-                        metric=r.get("RTA_PRIORITY"),
-                        detail=tuple(sorted(detail.items())),
-                    )
+        names = {link.index: link.name for link in rtnl.links()}
+        out = []
+        for r in rtnl.ipv4_routes():
+            if r.table != MAIN_TABLE:
+                continue
+            detail = {
+                "proto": _PROTO.get(r.proto, str(r.proto)),
+                "scope": _SCOPE.get(r.scope, str(r.scope)),
+                "type": str(r.type),
+                "prefsrc": r.prefsrc or "",
+                "flags": str(r.flags),
+            }
+            out.append(
+                Route(
+                    dst=f"{r.dst or '0.0.0.0'}/{r.dst_len}",
+                    gateway=r.gateway,
+                    ifname=names.get(r.oif) if r.oif is not None else None,
+                    metric=r.priority,
+                    detail=tuple(sorted(detail.items())),
                 )
-            return out
+            )
+        return out
 
     def ping_argv(self, address: str, **kw: Any) -> list[str]:
         """argv for iputils ping (see linkctl.ping: size, count, timeout_s, interval_s,
@@ -139,7 +164,7 @@ class LinuxBackend:
         return min(defaults, key=lambda r: r.metric or 0) if defaults else None
 
     def _owner(self, ifname: str, index: int) -> tuple[str, str]:
-        if self.runner.which("nmcli"):
+        if self.runner.which("nmcli") and _system_bus_present():
             res = self.runner.run(
                 ["nmcli", "-t", "-g", "GENERAL.STATE,GENERAL.CONNECTION", "device", "show", ifname],
                 check=False,
@@ -335,36 +360,39 @@ class LinuxBackend:
         address, and netlink/nmcli return once the change is in place. Checks that the
         kernel's route to each peer leaves through the link (no more specific route or
         policy rule elsewhere captures it)."""
-        with _ipr() as ipr:
-            names = {lk["index"]: lk.get("IFLA_IFNAME") for lk in ipr.get_links()}
-            for peer in peers:
-                try:
-                    found = ipr.route("get", dst=peer.ip)
-                except NetlinkError as e:
-                    code = errno.errorcode.get(e.code, str(e.code))
-                    raise CheckFailed(
-                        f"no route to {peer.name} ({peer.ip}): {code}", "see `linkctl status`"
-                    ) from None
-                oif = names.get(found[0].get("RTA_OIF")) if found else None
-                if oif != host.interface:
-                    raise CheckFailed(
-                        f"traffic to {peer.name} ({peer.ip}) leaves through {oif}, "
-                        f"not {host.interface}",
-                        "look for a more specific route or a policy rule that captures "
-                        f"{link.subnet} (`ip route get {peer.ip}`)",
-                    )
+        if not peers:
+            return Plan()
+        names = {lk.index: lk.name for lk in rtnl.links()}
+        for peer in peers:
+            try:
+                found = rtnl.route_get(peer.ip)
+            except OSError as e:
+                code = errno.errorcode.get(e.errno or 0, str(e.errno))
+                raise CheckFailed(
+                    f"no route to {peer.name} ({peer.ip}): {code}", "see `linkctl status`"
+                ) from None
+            oif = names.get(found.oif) if found and found.oif is not None else None
+            if oif != host.interface:
+                raise CheckFailed(
+                    f"traffic to {peer.name} ({peer.ip}) leaves through {oif}, "
+                    f"not {host.interface}",
+                    "look for a more specific route or a policy rule that captures "
+                    f"{link.subnet} (`ip route get {peer.ip}`)",
+                )
         return Plan()
 
     # ---- execution ---------------------------------------------------------
 
     def execute(self, change: Change) -> None:
+        self._owners.clear()  # a change (an NM activation above all) may change the owner
         if change.action == "run":
             self.runner.run(change.args["argv"], timeout=60)
             return
-        ifname = change.target
+        from pyroute2.netlink.exceptions import NetlinkError
+
+        index = self._link(change.target).index
         try:
             with _ipr() as ipr:
-                index = self._index(ipr, ifname)
                 self._netlink(ipr, index, change)
         except NetlinkError as e:
             raise self._netlink_error(change, e) from None
