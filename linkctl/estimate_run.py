@@ -225,9 +225,10 @@ def render(est: Estimate) -> None:
         f"[dim]decode at context position {est.depth} (--depth; default: right after the "
         f"--prompt); prefill of the --prompt tokens[/]"
     )
-    console.print(f"{'decode by depth':22}{'at 0':>14}{f'at {est.ctx} (full)':>15}")
+    full = f"at {est.ctx} (full)"
+    console.print(f"{'decode tok/s by depth':22}{'at 0':>14}{full:>18}")
     for label, sc in rows:
-        console.print(f"{label:22}{sc.decode_tok_s_depth0:>14.1f}{sc.decode_tok_s_full_ctx:>15.1f}")
+        console.print(f"{label:22}{sc.decode_tok_s_depth0:>14.1f}{sc.decode_tok_s_full_ctx:>18.1f}")
     if est.split:
         s = est.split
         console.print()

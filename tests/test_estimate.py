@@ -275,6 +275,7 @@ def test_cli_json_and_text(tmp_path, env):
     assert d["recommendation"] in ("run locally", "split faster", "split needed")
     assert d["local"]["decode_tok_s"] > 0 and d["split"]["prefill_tok_s"] > 0
     assert d["network_per_layer_us"] == pytest.approx(d["network_per_token_us"] / 80)
+    assert d["depth"] == 512 and d["local"]["decode_tok_s_full_ctx"] < d["local"]["decode_tok_s"]
     r = linkctl(
         "estimate", "--model", str(p), "--rtt-us", "150", "--throughput-gbps", "9.4", env=env
     )
@@ -284,10 +285,39 @@ def test_cli_json_and_text(tmp_path, env):
         "decode tok/s",
         "network per layer",
         "dominant term",
+        "decode tok/s by depth",
         "recommended --tensor-split",
         "recommendation:",
     ):
         assert text in r.stdout
+
+
+def test_depth_sets_the_kv_reads_and_ctx_only_the_allocation(models):
+    """--ctx sizes the cache (memory fit); --depth is where decode is predicted."""
+    m = models["70b"]
+    parts = pair(head_gib=400)
+    a = estimate(m, parts, LINK, ctx=32768, depth=0)
+    b = estimate(m, parts, LINK, ctx=32768, depth=32768)
+    c = estimate(m, parts, LINK, ctx=2048, depth=0)
+    assert a.local.decode_tok_s > b.local.decode_tok_s
+    assert a.local.decode_tok_s == pytest.approx(c.local.decode_tok_s)  # same depth
+    assert a.local.devices[0].kv_bytes > c.local.devices[0].kv_bytes  # bigger cache
+    assert a.local.decode_tok_s_depth0 == pytest.approx(a.local.decode_tok_s)
+    assert a.local.decode_tok_s_full_ctx == pytest.approx(b.local.decode_tok_s)
+    default = estimate(m, parts, LINK, ctx=32768, n_prompt=512)
+    assert default.depth == 512  # default: right after the prompt
+    with pytest.raises(InputError, match="--depth 40000: must be between 0 and --ctx 32768"):
+        estimate(m, parts, LINK, ctx=32768, depth=40000)
+
+
+def test_sliding_window_blocks_read_window_plus_ubatch(tmp_path):
+    from linkctl.shapes import model_info
+
+    m = model_info("gpt-oss-20b", "MXFP4")
+    swa = m.swa_layers()
+    assert len(swa) == m.block_count // 2 and 0 in swa and 1 not in swa
+    assert m.kv_positions(0, 100_000, 512) == 128 + 512
+    assert m.kv_positions(1, 100_000, 512) == 100_000
 
 
 def test_cli_uses_the_saved_probe_report(tmp_path, env):
@@ -327,6 +357,11 @@ def test_cli_uses_the_saved_probe_report(tmp_path, env):
         ),
         (None, ("--rtt-us", "-5", "--throughput-gbps", "9"), "--rtt-us -5: must be > 0"),
         (None, ("--rtt-us", "100", "--throughput-gbps", "9", "--ctx", "0"), "--ctx 0"),
+        (
+            None,
+            ("--rtt-us", "100", "--throughput-gbps", "9", "--ctx", "512", "--depth", "600"),
+            "--depth 600: must be between 0 and --ctx 512",
+        ),
     ],
 )
 def test_cli_bad_input_one_line_exit_2(tmp_path, env, content, args, message):
