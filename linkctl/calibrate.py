@@ -188,15 +188,26 @@ class _Servers:
 
 # Generated models for the two-term solve: many thin blocks against few wide ones, so
 # the per-block cost and the bandwidth weigh differently in their per-token times.
-DEEP = TinySpec(n_layer=24, n_embd=256, n_head=4, n_ff=512)
-WIDE = TinySpec(n_layer=2, n_embd=1024, n_head=8, n_ff=2816)
+# The CPU pair (60-110 MB) is larger than a CPU's last-level cache; a GPU host gets a
+# pair of 0.6-1.6 GB, past the tens of MB of a GPU's L2 or an Apple chip's system
+# cache, so the bandwidth measured is the memory's.
+GENERATED = {
+    "cpu": (
+        TinySpec(n_layer=24, n_embd=256, n_head=4, n_ff=512),
+        TinySpec(n_layer=2, n_embd=1024, n_head=8, n_ff=2816),
+    ),
+    "gpu": (
+        TinySpec(n_layer=48, n_embd=512, n_head=8, n_ff=1536),
+        TinySpec(n_layer=2, n_embd=4096, n_head=32, n_ff=11008),
+    ),
+}
 
 
 def _blocks_per_byte(model) -> float:
     return model.block_count / max(1, sum(model.layer_active_bytes()))
 
 
-def calibration_models(given: list[Path], workdir: Path) -> list[Path]:
+def calibration_models(given: list[Path], workdir: Path, kind: str = "cpu") -> list[Path]:
     """The given models, plus generated ones until there are two of different shape:
     with one given model, the generated model whose blocks-per-byte differs most."""
     from linkctl.gguf_info import read_model
@@ -210,10 +221,10 @@ def calibration_models(given: list[Path], workdir: Path) -> list[Path]:
 
     if len(given) >= 2:
         return given
+    deep, wide = (gen(spec) for spec in GENERATED.get(kind, GENERATED["cpu"]))
     if not given:
-        return [gen(DEEP), gen(WIDE)]
+        return [deep, wide]
     r = math.log(_blocks_per_byte(read_model(given[0])))
-    deep, wide = gen(DEEP), gen(WIDE)
     far = max((deep, wide), key=lambda p: abs(math.log(_blocks_per_byte(read_model(p))) - r))
     return [given[0], far]
 
@@ -282,7 +293,9 @@ def calibrate(
         )
     logs = state_dir() / "calibrate"
     logs.mkdir(parents=True, exist_ok=True)
-    paths = calibration_models(given, logs) if not dry_run else given or [Path("<generated>")]
+    paths = (
+        calibration_models(given, logs, dev.kind) if not dry_run else given or [Path("<generated>")]
+    )
     infos = [read_model(mp) for mp in paths] if not dry_run else []
     ctxs = [min(2048, m.context_length or 2048) for m in infos] or [2048]
     ctx = min(ctxs)
