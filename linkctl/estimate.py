@@ -346,10 +346,6 @@ def prefill_features(
     return out
 
 
-def decode_us(dev: Device, feats: list[float]) -> float:
-    return dot(decode_coefs(dev.decode), feats)
-
-
 def prefill_us(dev: Device, feats: list[float]) -> float:
     return dot(prefill_coefs(dev.prefill), feats)
 
