@@ -112,7 +112,23 @@ class HostSpec(_Strict):
         return f"{self.rpc_bind}:{self.rpc.port}"
 
 
+class DisaggSpec(_Strict):
+    """serve.mode = "disaggregated": prefill on the prefill host, decode on the head."""
+
+    prefill_host: str | None = None  # an rpc host's name; default: the only rpc host
+    prefill_port: Port = 8081  # the prefill llama-server, on the prefill host's link address
+    decode_port: Port = 8080  # the decode llama-server, on 127.0.0.1 of the head
+    agent_port: Port = 50053  # the kv-agent, on the prefill host's link address
+    # Prompts with fewer tokens skip disaggregation; None: from the estimate.
+    threshold_tokens: int | None = Field(default=None, ge=0)
+    slots: int = Field(default=1, ge=1, le=64)  # llama-server -np on both servers
+    # The model on the prefill host; "": where `linkctl model sync` puts it there.
+    prefill_model: str = ""
+
+
 class ServeSpec(_Strict):
+    mode: Literal["split", "disaggregated"] = "split"
+    disagg: DisaggSpec = DisaggSpec()
     model: str = ""
     host: ipaddress.IPv4Address = ipaddress.IPv4Address("127.0.0.1")
     port: Port = 9999
@@ -231,6 +247,27 @@ class Profile(_Strict):
                 "is set together with serve.split; keep one (serve.split takes llama.cpp "
                 "device order)",
             )
+        if self.serve.mode == "disaggregated":
+            d = self.serve.disagg
+            rpc_names = [h.name for h in self.hosts if h.role == "rpc"]
+            if d.prefill_host is None and len(rpc_names) != 1:
+                raise _FieldError(
+                    "serve.disagg.prefill_host", None, f"name one of the rpc hosts: {rpc_names}"
+                )
+            if d.prefill_host is not None and d.prefill_host not in rpc_names:
+                raise _FieldError(
+                    "serve.disagg.prefill_host", d.prefill_host, f"is not an rpc host: {rpc_names}"
+                )
+            if d.decode_port == self.serve.port:
+                raise _FieldError(
+                    "serve.disagg.decode_port",
+                    d.decode_port,
+                    "is serve.port, where route listens; pick another port",
+                )
+            if d.prefill_port == d.agent_port:
+                raise _FieldError(
+                    "serve.disagg.agent_port", d.agent_port, "is serve.disagg.prefill_port"
+                )
         if self.serve.tensor_split and len(self.serve.tensor_split) != len(self.hosts):
             raise _FieldError(
                 "serve.tensor_split",
@@ -246,6 +283,12 @@ class Profile(_Strict):
     @property
     def rpc_hosts(self) -> list[HostSpec]:
         return [h for h in self.hosts if h.role == "rpc"]
+
+    @property
+    def prefill_host(self) -> HostSpec:
+        """The host that prefills in serve.mode = "disaggregated"."""
+        name = self.serve.disagg.prefill_host or self.rpc_hosts[0].name
+        return self.host(name)
 
     def host(self, name: str) -> HostSpec:
         for h in self.hosts:

@@ -108,6 +108,9 @@ def register(app: typer.Typer) -> None:
         def head_split() -> sv.SplitChoice:
             return sv.choose_split(prof, model or prof.serve.model, split, calibration=calibration)
 
+        if prof.serve.mode == "disaggregated":
+            _serve_disaggregated(prof, h, backend, bins, model, skip_probe, dry_run, json_)
+            return
         if dry_run:
             choice = head_split() if h.role == "head" else None
             plan = sv.build_plan(prof, h, bins, model, choice)
@@ -150,3 +153,48 @@ def register(app: typer.Typer) -> None:
         if json_:
             print_json(plan.as_dict())
         raise typer.Exit(sv.run_head(plan, prof, bins, wait_s=wait, split=choice))
+
+
+def _serve_disaggregated(prof, h, backend, bins, model, skip_probe, dry_run, json_) -> None:
+    """serve.mode = "disaggregated": the prefill host runs the prefill llama-server and
+    the kv-agent on its link address; the head runs the decode llama-server and route."""
+    import sys
+
+    from linkctl import disagg
+    from linkctl import serve as sv
+
+    binary = bins.llama_server.path if bins.llama_server else "llama-server"
+    plan = disagg.build_plan(prof, h, binary, model)
+    if dry_run:
+        if json_:
+            print_json(plan.as_dict())
+            return
+        for note in plan.notes:
+            console.print(f"[cyan]note:[/] {note}")
+        console.print(
+            f"prefill {prof.prefill_host.name}: {' '.join(plan.prefill_argv)}", markup=False
+        )
+        console.print(f"kv-agent {prof.prefill_host.name}: {plan.agent}", markup=False)
+        console.print(f"decode  {prof.head.name}: {' '.join(plan.decode_argv)}", markup=False)
+        console.print(f"route   {prof.head.name}: {plan.route_listen}", markup=False)
+        return
+    if json_:
+        print_json(plan.as_dict())
+    bins.need("llama-server")
+    if h.role != "head":
+        if h.name != prof.prefill_host.name:
+            from linkctl.errors import InputError
+
+            raise InputError(
+                f"{h.name} is not serve.disagg.prefill_host ({prof.prefill_host.name})",
+                "run serve on the prefill host and the head only",
+            )
+        sv.model_path_check(plan.argv[plan.argv.index("-m") + 1])
+        raise typer.Exit(disagg.run_prefill(plan, prof, h, backend))
+    sv.model_path_check(plan.argv[plan.argv.index("-m") + 1])
+    if skip_probe:
+        warn_line("--skip-probe: serving without a passing probe report for this link")
+    else:
+        for line in sv.probe_gate(prof, h):
+            sys.stderr.write(f"linkctl: {line}\n")
+    raise typer.Exit(disagg.run_decode(plan, prof, plan.argv[plan.argv.index("-m") + 1]))

@@ -1,0 +1,171 @@
+"""linkctl route (head) and linkctl kv-agent (prefill host): disaggregated serving."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from typing import Annotated
+
+import typer
+
+from linkctl.commands.common import DryRunOpt, HostOpt, JsonOpt, ProfileOpt, load_with_host
+from linkctl.output import console, print_json
+
+
+def _stamp_say(who: str):
+    from linkctl.supervise import stamp
+
+    def say(msg: str) -> None:
+        sys.stderr.write(f"{stamp()} linkctl[{who}] {msg}\n")
+        sys.stderr.flush()
+
+    return say
+
+
+def wait_for_signal() -> None:
+    """Block the main thread until SIGTERM or SIGINT."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(1.0):
+        pass
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def route(
+        profile: ProfileOpt = None,
+        host: HostOpt = None,
+        threshold: Annotated[
+            int | None,
+            typer.Option(
+                "--threshold",
+                min=0,
+                help="Prompt tokens from which to disaggregate (default: "
+                "serve.disagg.threshold_tokens, else the estimate).",
+                show_default=False,
+            ),
+        ] = None,
+        model: Annotated[
+            str | None,
+            typer.Option("--model", "-m", help="The decode model (overrides serve.model)."),
+        ] = None,
+        wait: Annotated[
+            float, typer.Option("--wait", help="Seconds to wait for both servers' /props.")
+        ] = 120.0,
+        dry_run: DryRunOpt = False,
+        json_: JsonOpt = False,
+    ) -> None:
+        """HTTP front on the head: long prompts prefill on the prefill host.
+
+        Serves llama-server's /completion, /v1/completions and /v1/chat/completions
+        (streaming or not) on serve.host:serve.port. A prompt of at least the
+        threshold's tokens is prefilled on the prefill host's llama-server, its slot
+        saved, copied over the link by the kv-agent (checksummed), restored into a
+        slot of the decode server here, and generated there; shorter prompts go
+        straight to the decode server. If the prefill host or the transfer fails,
+        the request is prefilled here instead (logged as a fallback). Refuses to
+        start when the two servers differ (build, model, context, slots, template).
+        Every answer carries X-Linkctl-Route: direct|disaggregated|fallback;
+        GET /linkctl/stats shows counts and the recent requests.
+
+        Examples:
+          linkctl route --dry-run
+          linkctl route --threshold 256
+        """
+        from linkctl import disagg, kvxfer
+        from linkctl import route as rt
+
+        prof, h, _backend = load_with_host(profile, host)
+        if h.role != "head":
+            from linkctl.errors import InputError
+
+            raise InputError(
+                f"route runs on the head ({prof.head.name}), this is {h.name}",
+                "run `linkctl kv-agent` here instead",
+            )
+        cfg = disagg.resolve_route_config(prof, model, threshold)
+        summary = {
+            "listen": f"{cfg.listen_host}:{cfg.listen_port}",
+            "decode": cfg.decode.url,
+            "prefill": cfg.prefill.url if cfg.prefill else None,
+            "agent": f"{cfg.agent_host}:{cfg.agent_port}",
+            "source": cfg.source,
+            "threshold_tokens": cfg.threshold_tokens,
+            "threshold_source": cfg.threshold_source,
+            "slots": cfg.slots,
+        }
+        if dry_run:
+            if json_:
+                print_json(summary)
+            else:
+                for k, v in summary.items():
+                    console.print(f"{k:17s} {v}", markup=False)
+            return
+        say = _stamp_say("route")
+        local_fp = kvxfer.fingerprint(model or prof.serve.model)
+        remote_fp = kvxfer.remote_model(cfg.agent_host or "", cfg.agent_port, source=cfg.source)
+        rt.check_pair(cfg, (local_fp, remote_fp), wait_s=wait, say=say)
+        cfg.decode_slot_dir.mkdir(parents=True, exist_ok=True)
+        server = rt.RouteServer(rt.Router(cfg)).start()
+        say(
+            f"listening on {summary['listen']}; disaggregating prompts of "
+            f"{cfg.threshold_tokens}+ tokens ({cfg.threshold_source})"
+        )
+        try:
+            wait_for_signal()
+        finally:
+            server.stop()
+            say("stopped")
+
+    @app.command("kv-agent")
+    def kv_agent(
+        profile: ProfileOpt = None,
+        host: HostOpt = None,
+        json_: JsonOpt = False,
+        dry_run: DryRunOpt = False,
+    ) -> None:
+        """Serve slot files and receive model files over the link (prefill host).
+
+        Binds only to this host's link address (serve.disagg.agent_port) and answers
+        only peers on the link subnet; no authentication, like rpc-server. Areas:
+        kv (the prefill llama-server's --slot-save-path) and models (`model sync`).
+
+        Examples:
+          linkctl kv-agent --dry-run
+          linkctl kv-agent --host dgx
+        """
+        from linkctl import disagg, kvxfer
+
+        prof, h, backend = load_with_host(profile, host)
+        areas = {"kv": disagg.kv_dir(), "models": disagg.models_dir()}
+        plan = {
+            "bind": f"{h.ip}:{prof.serve.disagg.agent_port}",
+            "areas": {k: str(v) for k, v in areas.items()},
+            "model": disagg.prefill_model_path(prof),
+            "allowed_peers": str(prof.link.subnet),
+        }
+        if dry_run:
+            print_json(plan) if json_ else [console.print(f"{k:14s} {v}") for k, v in plan.items()]
+            return
+        from linkctl.serve import check_bind_on_link
+
+        check_bind_on_link(h, backend)
+        for d in areas.values():
+            d.mkdir(parents=True, exist_ok=True)
+        say = _stamp_say("kv-agent")
+        agent = kvxfer.Agent(
+            h.ip,
+            prof.serve.disagg.agent_port,
+            areas,
+            prof.link.subnet,
+            log=say,
+            model=plan["model"],
+        ).start()
+        say(f"listening on {plan['bind']} (peers {plan['allowed_peers']} only)")
+        try:
+            wait_for_signal()
+        finally:
+            agent.stop()
+            say("stopped")

@@ -1,0 +1,267 @@
+"""serve.mode = "disaggregated": what each host runs, from the profile.
+
+    prefill host : llama-server on its link address (--slot-save-path = the kv area)
+                   + kv-agent on its link address (areas kv and models)
+    head         : llama-server on 127.0.0.1:decode_port (--slot-save-path its own kv dir)
+                   + route on serve.host:serve.port, where clients already go
+
+Both servers get the same context, slot count, GPU layers and extra arguments from
+the one profile (the same KV cache type among them), and --cache-ram 0 (see
+linkctl/route.py for why). A layer split's --rpc is not used in this mode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from linkctl.paths import state_dir
+from linkctl.profile import HostSpec, Profile
+
+
+def kv_dir() -> Path:
+    """This host's slot files: the llama-server --slot-save-path and the agent's kv area."""
+    return state_dir() / "serve" / "slots"
+
+
+def models_dir() -> Path:
+    """Where `linkctl model sync` puts model files on the prefill host."""
+    return state_dir() / "models"
+
+
+def prefill_model_path(profile: Profile) -> str:
+    d = profile.serve.disagg
+    if d.prefill_model:
+        return d.prefill_model
+    return str(models_dir() / Path(profile.serve.model or "model.gguf").name)
+
+
+def server_argv(profile: Profile, binary: str, model: str, host: str, port: int) -> list[str]:
+    s, d = profile.serve, profile.serve.disagg
+    argv = [binary, "-m", model, "-c", str(s.ctx), "-np", str(d.slots), "-ngl", str(s.ngl)]
+    argv += ["--host", host, "--port", str(port), "--slot-save-path", str(kv_dir())]
+    argv += ["--cache-ram", "0"]
+    if s.threads:
+        argv += ["-t", str(s.threads)]
+    return argv + list(s.extra_args)
+
+
+@dataclass
+class DisaggPlan:
+    profile: str
+    host: str
+    role: str  # "prefill" or "decode"
+    argv: list[str]  # this host's llama-server
+    prefill_argv: list[str]
+    decode_argv: list[str]
+    prefill_url: str
+    decode_url: str
+    agent: str  # host:port of the kv-agent
+    route_listen: str
+    threshold_tokens: int | None
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def build_plan(
+    profile: Profile, host: HostSpec, binary: str = "llama-server", model: str | None = None
+) -> DisaggPlan:
+    s, d = profile.serve, profile.serve.disagg
+    pre = profile.prefill_host
+    model = model or s.model
+    notes = []
+    if not model:
+        notes.append("serve.model is empty: set it in the profile or pass --model")
+    pre_argv = server_argv(profile, binary, prefill_model_path(profile), pre.ip, d.prefill_port)
+    dec_argv = server_argv(profile, binary, model or "MODEL", "127.0.0.1", d.decode_port)
+    role = "decode" if host.role == "head" else "prefill"
+    if role == "prefill" and host.name != pre.name:
+        notes.append(f"{host.name} is not the prefill host ({pre.name}): it runs nothing")
+    return DisaggPlan(
+        profile=profile.name,
+        host=host.name,
+        role=role,
+        argv=dec_argv if role == "decode" else pre_argv,
+        prefill_argv=pre_argv,
+        decode_argv=dec_argv,
+        prefill_url=f"http://{pre.ip}:{d.prefill_port}",
+        decode_url=f"http://127.0.0.1:{d.decode_port}",
+        agent=f"{pre.ip}:{d.agent_port}",
+        route_listen=f"{s.host}:{s.port}",
+        threshold_tokens=d.threshold_tokens,
+        notes=notes,
+    )
+
+
+def resolve_route_config(profile: Profile, model: str | None, threshold: int | None = None):
+    """route_config with the threshold from --threshold, else the profile, else the
+    estimate (linkctl/disagg_estimate.py)."""
+    from linkctl.disagg_estimate import threshold_for_profile
+
+    if threshold is not None or profile.serve.disagg.threshold_tokens is not None:
+        return route_config(profile, threshold)
+    est = threshold_for_profile(profile, model or profile.serve.model)
+    return route_config(profile, est.tokens, source=est.source, from_estimate=True)
+
+
+def route_config(
+    profile: Profile, threshold: int | None = None, source: str = "", from_estimate: bool = False
+):
+    """The RouteConfig for the head, from the profile; ``threshold`` overrides both
+    serve.disagg.threshold_tokens and the estimate."""
+    from linkctl.route import RouteConfig, Upstream
+
+    s, d = profile.serve, profile.serve.disagg
+    pre = profile.prefill_host
+    head = profile.head
+    if threshold is not None:
+        t, why = threshold, source if from_estimate else "--threshold"
+    elif d.threshold_tokens is not None:
+        t, why = d.threshold_tokens, "serve.disagg.threshold_tokens"
+    else:
+        t, why = 512, source or "default (no estimate)"
+    return RouteConfig(
+        decode=Upstream("127.0.0.1", d.decode_port),
+        decode_slot_dir=kv_dir(),
+        prefill=Upstream(pre.ip, d.prefill_port, source=head.ip),
+        agent_host=pre.ip,
+        agent_port=d.agent_port,
+        source=head.ip,
+        threshold_tokens=t,
+        threshold_source=why,
+        slots=d.slots,
+        listen_host=str(s.host),
+        listen_port=s.port,
+    )
+
+
+# ---- running (serve.mode = "disaggregated") ------------------------------------------
+
+
+def _say(log, who: str):
+    import sys
+
+    from linkctl.supervise import stamp
+
+    def say(msg: str) -> None:
+        stream = log or sys.stderr
+        stream.write(f"{stamp()} linkctl[{who}] {msg}\n")
+        stream.flush()
+
+    return say
+
+
+def run_prefill(
+    plan: DisaggPlan, profile: Profile, host: HostSpec, backend, *, log=None, policy=None
+) -> int:
+    """The prefill host: kv-agent on the link address, supervised llama-server on the
+    link address (ready when /health answers)."""
+    from linkctl import kvxfer
+    from linkctl.serve import check_bind_on_link, http_ok, status_path
+    from linkctl.supervise import ChildSpec, Supervisor
+
+    check_bind_on_link(host, backend)
+    for d in (kv_dir(), models_dir()):
+        d.mkdir(parents=True, exist_ok=True)
+    say = _say(log, "kv-agent")
+    agent = kvxfer.Agent(
+        host.ip,
+        profile.serve.disagg.agent_port,
+        {"kv": kv_dir(), "models": models_dir()},
+        profile.link.subnet,
+        log=say,
+        model=prefill_model_path(profile),
+    ).start()
+    say(f"listening on {host.ip}:{agent.port} (peers {profile.link.subnet} only)")
+    try:
+        spec = ChildSpec(
+            "llama-server",
+            plan.argv,
+            ready=lambda: http_ok(f"{plan.prefill_url}/health", timeout=1.0),
+            ready_timeout=300,
+        )
+        return Supervisor(spec, policy=policy, log=log, status_path=status_path("prefill")).run()
+    finally:
+        agent.stop()
+
+
+def run_decode(
+    plan: DisaggPlan,
+    profile: Profile,
+    model: str,
+    *,
+    threshold: int | None = None,
+    log=None,
+    policy=None,
+    wait_s: float = 300.0,
+) -> int:
+    """The head: supervised decode llama-server on 127.0.0.1, and route in front of it
+    once both servers answer and match (a mismatch stops serve with exit 2)."""
+    import json
+    import threading
+
+    from linkctl import kvxfer
+    from linkctl import route as rt
+    from linkctl.errors import LinkctlError
+    from linkctl.serve import http_ok, status_path
+    from linkctl.supervise import ChildSpec, Supervisor
+
+    say = _say(log, "route")
+    cfg = resolve_route_config(profile, model, threshold)
+    cfg.decode_slot_dir.mkdir(parents=True, exist_ok=True)
+    spec = ChildSpec(
+        "llama-server",
+        plan.argv,
+        ready=lambda: http_ok(f"{plan.decode_url}/health", timeout=1.0),
+        ready_timeout=300,
+    )
+    sup = Supervisor(spec, policy=policy, log=log, status_path=status_path("head"))
+    failed: list[LinkctlError] = []
+    servers: list[rt.RouteServer] = []
+    route_status = status_path("route")
+    route_status.unlink(missing_ok=True)
+
+    def start_route() -> None:
+        try:
+            local = kvxfer.fingerprint(model)
+            remote = kvxfer.remote_model(cfg.agent_host or "", cfg.agent_port, source=cfg.source)
+            rt.check_pair(cfg, (local, remote), wait_s=wait_s, say=say)
+            servers.append(rt.RouteServer(rt.Router(cfg, log=log)).start())
+        except LinkctlError as e:
+            say(f"route not started: {e.line()}")
+            failed.append(e)
+            sup.request_stop()
+            return
+        except rt.UpstreamError as e:
+            say(f"route not started: {e}")
+            failed.append(LinkctlError(str(e)))
+            sup.request_stop()
+            return
+        route_status.write_text(
+            json.dumps(
+                {
+                    "state": "ready",
+                    "listen": f"{cfg.listen_host}:{cfg.listen_port}",
+                    "threshold_tokens": cfg.threshold_tokens,
+                    "threshold_source": cfg.threshold_source,
+                }
+            )
+        )
+        say(
+            f"listening on {cfg.listen_host}:{cfg.listen_port}; disaggregating prompts of "
+            f"{cfg.threshold_tokens}+ tokens ({cfg.threshold_source})"
+        )
+
+    threading.Thread(target=start_route, daemon=True).start()
+    try:
+        rc = sup.run()
+    finally:
+        for s in servers:
+            s.stop()
+        route_status.unlink(missing_ok=True)
+    if failed:
+        raise failed[0]
+    return rc

@@ -1,0 +1,116 @@
+"""The link transfer (linkctl/kvxfer.py) on loopback: checksums, resume, refusals."""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import json
+import os
+import socket
+import threading
+
+import pytest
+
+from linkctl import kvxfer
+from linkctl.errors import InputError
+
+LO = ipaddress.IPv4Network("127.0.0.0/8")
+
+
+@pytest.fixture
+def areas(tmp_path):
+    d = {"kv": tmp_path / "kv", "models": tmp_path / "models"}
+    for p in d.values():
+        p.mkdir()
+    return d
+
+
+def test_fetch_checksummed_and_deleted(areas, tmp_path):
+    data = os.urandom(3 * kvxfer.CHUNK + 123)
+    (areas["kv"] / "slot.kv").write_bytes(data)
+    seen = []
+    with kvxfer.Agent("127.0.0.1", 0, areas, LO) as a:
+        res = kvxfer.fetch(
+            "127.0.0.1",
+            a.port,
+            "kv",
+            "slot.kv",
+            tmp_path / "got.kv",
+            delete=True,
+            progress=lambda done, total: seen.append((done, total)),
+        )
+    assert (tmp_path / "got.kv").read_bytes() == data
+    assert res.sha256 == hashlib.sha256(data).hexdigest() and res.bytes == len(data)
+    assert not (areas["kv"] / "slot.kv").exists()
+    assert seen[-1] == (len(data), len(data))
+
+
+def test_put_resumes_a_matching_partial_and_restarts_a_foreign_one(areas, tmp_path):
+    src = tmp_path / "m.gguf"
+    data = os.urandom(2 * kvxfer.CHUNK + 7)
+    src.write_bytes(data)
+    part = areas["models"] / "m.gguf.part"
+    part.write_bytes(data[:1000])
+    with kvxfer.Agent("127.0.0.1", 0, areas, LO) as a:
+        res = kvxfer.put("127.0.0.1", a.port, "models", src)
+        assert res.resumed_from == 1000 and res.bytes == len(data) - 1000
+        assert (areas["models"] / "m.gguf").read_bytes() == data and not part.exists()
+        # A partial that is not a prefix of this file: start over, still correct.
+        (areas["models"] / "m.gguf").unlink()
+        part.write_bytes(b"x" * 5000)
+        res = kvxfer.put("127.0.0.1", a.port, "models", src)
+        assert res.resumed_from == 0 and (areas["models"] / "m.gguf").read_bytes() == data
+        st = kvxfer.stat("127.0.0.1", a.port, "models", "m.gguf")
+        assert st["size"] == len(data) and st["partial"] == 0
+
+
+def test_checksum_mismatch_keeps_nothing(tmp_path):
+    """A peer whose trailer does not match the bytes: no file, no .part."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+
+    def serve():
+        c, _ = srv.accept()
+        c.makefile("rb").readline()
+        c.sendall(json.dumps({"ok": True, "size": 4}).encode() + b"\n" + b"abcd")
+        c.sendall(json.dumps({"sha256": "0" * 64}).encode() + b"\n")
+        c.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    dest = tmp_path / "x.kv"
+    with pytest.raises(kvxfer.TransferError, match="checksum mismatch"):
+        kvxfer.fetch("127.0.0.1", srv.getsockname()[1], "kv", "x.kv", dest)
+    srv.close()
+    assert not dest.exists() and not dest.with_name("x.kv.part").exists()
+
+
+def test_agent_refuses_wildcard_other_peers_and_paths(areas, tmp_path):
+    with pytest.raises(InputError, match="wildcard"):
+        kvxfer.Agent("0.0.0.0", 0, areas, LO)
+    with pytest.raises(InputError, match="not on the link subnet"):
+        kvxfer.Agent("127.0.0.1", 0, areas, ipaddress.IPv4Network("198.18.100.0/24"))
+    (areas["kv"] / "a.kv").write_bytes(b"1234")
+    # Only peers on the link subnet: 127.0.0.1 is not in 127.0.0.2/32.
+    only = ipaddress.IPv4Network("127.0.0.2/32")
+    with (
+        kvxfer.Agent("127.0.0.2", 0, areas, only) as a,
+        pytest.raises(kvxfer.TransferError, match="closed"),
+    ):
+        kvxfer.fetch("127.0.0.2", a.port, "kv", "a.kv", tmp_path / "a", source="127.0.0.1")
+    with kvxfer.Agent("127.0.0.1", 0, areas, LO) as a:
+        for bad in ("../a.kv", "a/b", ".hidden", "x.part"):
+            with pytest.raises(InputError, match="not allowed"):
+                kvxfer.fetch("127.0.0.1", a.port, "kv", bad, tmp_path / "a")
+        with pytest.raises(kvxfer.TransferError, match="no file"):
+            kvxfer.fetch("127.0.0.1", a.port, "kv", "missing.kv", tmp_path / "a")
+    assert (areas["kv"] / "a.kv").read_bytes() == b"1234"
+
+
+def test_fingerprint_tells_files_apart(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_bytes(b"\0" * 100)
+    b.write_bytes(b"\0" * 99 + b"\1")
+    fa, fb = kvxfer.fingerprint(a), kvxfer.fingerprint(b)
+    assert fa["size"] == fb["size"] and fa["sha256"] != fb["sha256"]
+    assert kvxfer.fingerprint(tmp_path / "none")["size"] is None
