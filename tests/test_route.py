@@ -39,7 +39,23 @@ def ops(lab, *items: dict, timeout: float = 600) -> list[dict]:
 
 def text(n: int, seed: int = 0) -> str:
     """n bytes of text: one token per byte for the tiny model (+ BOS)."""
-    words = "the link moves a cache of keys and values from one host to the other".split(" ")
+    words = [
+        "the",
+        "link",
+        "moves",
+        "a",
+        "cache",
+        "of",
+        "keys",
+        "and",
+        "values",
+        "from",
+        "one",
+        "host",
+        "to",
+        "the",
+        "other",
+    ]
     out, i = [], seed
     while len(" ".join(out)) < n:
         out.append(words[i % len(words)])
