@@ -219,3 +219,71 @@ def threshold_for_profile(profile, model_path: str | None) -> Threshold:
     return Threshold(
         t, f"estimate for {pre} -> {profile.head.name} at {link.throughput_gbps:g} Gbit/s"
     )
+
+
+def predict_for_profile(
+    profile,
+    model_path: str | Path,
+    *,
+    prompt: int,
+    output: int,
+    probe: Path | None = None,
+    rtt_us: float | None = None,
+    throughput_gbps: float | None = None,
+    calibration: list[Path] | None = None,
+    ctx: int | None = None,
+) -> DisaggEstimate:
+    """predict() with the profile's devices (and calibrations) and the link figures
+    from the probe report or the what-if flags, as `linkctl estimate` gets them."""
+    from linkctl.estimate_run import link_figures, participants
+    from linkctl.gguf_info import read_model
+
+    model = read_model(model_path)
+    parts, notes = participants(profile, False, calibration)
+    link = link_figures(probe, rtt_us, throughput_gbps)
+    out = predict(
+        model,
+        parts,
+        link,
+        profile.serve.ctx if ctx is None else ctx,
+        prompt,
+        output,
+        profile.prefill_host.name,
+        profile.serve.ngl,
+    )
+    out.notes += notes
+    return out
+
+
+def render(de: DisaggEstimate) -> None:
+    from linkctl.output import console
+
+    console.print(
+        f"\nServing one request: {de.prompt_tokens} prompt tokens, {de.output_tokens} output "
+        f"tokens (prefill on {de.prefill_host}, decode on {de.decode_host} when disaggregated)",
+        markup=False,
+    )
+    console.print(
+        f"  {'plan':14s} {'TTFT s':>9s} {'total s':>9s} {'prefill s':>9s} {'KV move s':>9s} "
+        f"{'decode tok/s':>12s}",
+        markup=False,
+    )
+    for p in de.plans:
+        flag = "" if p.fits else "  (does not fit)"
+        console.print(
+            f"  {p.name:14s} {p.ttft_s:9.3f} {p.total_s:9.3f} {p.prefill_s:9.3f} "
+            f"{p.transfer_s:9.3f} {p.decode_tok_s:12.1f}{flag}",
+            markup=False,
+        )
+    kv = next((p.kv_bytes for p in de.plans if p.name == "disaggregated"), 0)
+    console.print(
+        f"  KV cache moved: {kv / 2**20:.1f} MiB at {de.link_gbps:g} Gbit/s. "
+        f"Fastest first token: {de.winner_ttft}; fastest whole request: {de.winner_total}.",
+        markup=False,
+    )
+    t = de.threshold_tokens
+    console.print(
+        "  Disaggregation wins the first token from "
+        + (f"{t} prompt tokens on." if t else "no prompt length (off)."),
+        markup=False,
+    )

@@ -94,9 +94,21 @@ def register(app: typer.Typer) -> None:
                 show_default=False,
             ),
         ] = None,
+        output: Annotated[
+            int,
+            typer.Option(
+                "--output",
+                help="Output tokens for the time-to-first-token and end-to-end figures "
+                "(local, layer split, disaggregated).",
+            ),
+        ] = 256,
         json_out: JsonOpt = False,
     ) -> None:
         """Predict decode and prefill tokens/s locally and split over the link.
+
+        Also predicts one request's time to first token and end-to-end time for --prompt
+        and --output tokens: local, layer split, and disaggregated (prefill on the rpc
+        host, KV cache over the link, decode on the head), and which wins.
 
         Example: linkctl estimate --model /models/qwen3-235b-q4.gguf --ctx 32768 --depth 8192
         """
@@ -116,12 +128,31 @@ def register(app: typer.Typer) -> None:
             calibration=calibration or [],
             depth=depth,
         )
+        de = None
+        if prof.rpc_hosts:
+            from linkctl.disagg_estimate import predict_for_profile
+
+            de = predict_for_profile(
+                prof,
+                model,
+                prompt=prompt,
+                output=output,
+                probe=probe,
+                rtt_us=rtt_us,
+                throughput_gbps=throughput_gbps,
+                calibration=calibration or [],
+                ctx=ctx,
+            )
         if json_out:
             from linkctl.output import print_json
 
-            print_json(est.as_dict())
+            print_json(est.as_dict() | {"serving": de.as_dict() if de else None})
         else:
             render(est)
+            if de:
+                from linkctl.disagg_estimate import render as render_serving
+
+                render_serving(de)
 
     @app.command("calibrate")
     def calibrate_cmd(
