@@ -265,3 +265,117 @@ def run_decode(
     if failed:
         raise failed[0]
     return rc
+
+
+# ---- doctor (serve.mode = "disaggregated") -------------------------------------------
+
+
+def doctor_checks(
+    res, profile: Profile, host: HostSpec, answered: dict[str, bool], timeout_s: float
+) -> None:
+    """The extra preconditions of disaggregated serving, as doctor lines: the model on
+    this host, the slot directory, and from the head the kv-agent's model (same file?)
+    and the two servers' /props (same build, context, slots, template)."""
+    import os
+
+    from linkctl import kvxfer
+    from linkctl import route as rt
+    from linkctl.errors import InputError
+
+    pre = profile.prefill_host
+    if host.role == "head":
+        model = profile.serve.model
+        where = "serve.model"
+    elif host.name == pre.name:
+        model = prefill_model_path(profile)
+        where = "serve.disagg.prefill_model"
+    else:
+        res.add("disagg role", "PASS", "none", f"{host.name} is not the prefill host ({pre.name})")
+        return
+    if model and os.path.isfile(model):
+        res.add(
+            "disagg model",
+            "PASS",
+            model,
+            f"{where} {model} is here ({os.path.getsize(model)} bytes)",
+        )
+    else:
+        fix = "linkctl model sync (on the head)" if host.role != "head" else "set serve.model"
+        res.add(
+            "disagg model",
+            "FAIL",
+            model or None,
+            f"{where} {model!r} is not a file on {host.name}",
+            fix,
+        )
+    d = kv_dir()
+    parent = next((p for p in (d, *d.parents) if p.exists()), None)
+    if parent is not None and os.access(parent, os.W_OK):
+        res.add("slot directory", "PASS", str(d), f"slot files go to {d} (--slot-save-path)")
+    else:
+        res.add(
+            "slot directory",
+            "FAIL",
+            str(d),
+            f"{d} cannot be created here",
+            "check LINKCTL_STATE_DIR",
+        )
+    if host.role != "head":
+        return
+    if not answered.get(pre.name):
+        res.add("kv-agent", "SKIP", None, f"peer {pre.name} did not answer ARP")
+        return
+    port = profile.serve.disagg.agent_port
+    try:
+        theirs = kvxfer.remote_model(pre.ip, port, source=host.ip, timeout=timeout_s)
+    except InputError as e:
+        res.add(
+            "kv-agent",
+            "SKIP",
+            None,
+            f"{pre.ip}:{port}: {e.message} (start `linkctl serve` on {pre.name})",
+        )
+        return
+    mine = kvxfer.fingerprint(model) if model else {}
+    if theirs.get("size") and (theirs.get("size"), theirs.get("sha256")) == (
+        mine.get("size"),
+        mine.get("sha256"),
+    ):
+        res.add(
+            "kv-agent",
+            "PASS",
+            theirs.get("path"),
+            f"{pre.name} serves the same model file ({theirs.get('path')})",
+        )
+    else:
+        res.add(
+            "kv-agent",
+            "FAIL",
+            theirs.get("path"),
+            f"{pre.name}'s model {theirs.get('path')} ({theirs.get('size')} bytes) is not this "
+            f"host's {model} ({mine.get('size')} bytes)",
+            "linkctl model sync",
+        )
+    cfg = route_config(profile)
+    try:
+        theirs_p = cfg.prefill.call("GET", "/props", timeout=timeout_s) if cfg.prefill else {}
+        mine_p = cfg.decode.call("GET", "/props", timeout=timeout_s)
+    except rt.UpstreamError as e:
+        res.add("servers match", "SKIP", None, f"not both servers answer yet: {e}")
+        return
+    diffs = rt.compare_servers(mine_p, theirs_p)
+    if diffs:
+        res.add(
+            "servers match",
+            "FAIL",
+            None,
+            "; ".join(diffs),
+            "run one llama.cpp build and profile on both",
+        )
+    else:
+        res.add(
+            "servers match",
+            "PASS",
+            mine_p.get("build_info"),
+            "decode and prefill servers: same build, n_ctx, slots, template",
+        )

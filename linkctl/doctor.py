@@ -14,10 +14,14 @@ same facts, so doctor and the real commands cannot disagree:
     serve auth       linkctl.serve.serve_auth (head: API key or explicit opt-out)
     services         linkctl.service.status
     probe report     linkctl.serve.probe_gate (head) / probe_reports (rpc host)
+    disagg model, slot directory, kv-agent, servers match   (serve.mode = "disaggregated")
+                     linkctl.disagg.doctor_checks (kvxfer.fingerprint, route.compare_servers)
 
 Doctor changes nothing on the network. What it sends: an ARP who-has for each peer's
 link address, out of the link interface only; from the head, one TCP connection with
-an RPC HELLO to each rpc host's rpc-server endpoint (its link address). Learning the
+an RPC HELLO to each rpc host's rpc-server endpoint (its link address); in
+disaggregated mode also one kv-agent "model" request and one GET /props to the
+prefill host's link address, and GET /props to the local decode server (127.0.0.1). Learning the
 local build's RPC protocol starts that build's rpc-server on 127.0.0.1 for a moment
 (cached per binary by linkctl.llama). No platform branches here: every network fact
 comes through the Backend protocol, so the macOS backend answers the same questions.
@@ -621,6 +625,10 @@ def run(
     answered = check_peers(res, prof, host, st, peer_timeout_s)
     check_llama(res, prof, host, answered, peer_timeout_s, hello)
     check_serve_auth(res, prof, host)
+    if prof.serve.mode == "disaggregated":
+        from linkctl.disagg import doctor_checks
+
+        doctor_checks(res, prof, host, answered, peer_timeout_s)
     shown = profile_arg or os.environ.get("LINKCTL_PROFILE") or prof.name
     check_services(res, prof, host, shown, service_root)
     check_probe_report(res, prof, host, now)
