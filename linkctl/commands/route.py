@@ -33,6 +33,8 @@ def wait_for_signal() -> None:
 
 
 def register(app: typer.Typer) -> None:
+    _register_model_sync()
+
     @app.command()
     def route(
         profile: ProfileOpt = None,
@@ -169,3 +171,87 @@ def register(app: typer.Typer) -> None:
         finally:
             agent.stop()
             say("stopped")
+
+
+def _register_model_sync() -> None:
+    from linkctl.commands.serve import model_app
+
+    @model_app.command("sync")
+    def model_sync(
+        profile: ProfileOpt = None,
+        host: HostOpt = None,
+        model: Annotated[
+            str | None,
+            typer.Option("--model", "-m", help="The file to copy (default: serve.model)."),
+        ] = None,
+        dry_run: DryRunOpt = False,
+        json_: JsonOpt = False,
+    ) -> None:
+        """Copy the model from the head to the prefill host over the link.
+
+        Through the prefill host's kv-agent (running under `linkctl serve` there, or
+        `linkctl kv-agent`), from this host's link address to its link address, into
+        its models directory, where serve.mode = "disaggregated" looks for it. An
+        interrupted copy resumes where it stopped (the partial file's SHA-256 is
+        checked first); the file appears there only when the SHA-256 of every byte
+        matches.
+
+        Examples:
+          linkctl model sync --dry-run
+          linkctl model sync --model /models/m.gguf
+        """
+        from pathlib import Path
+
+        from linkctl import disagg, kvxfer
+        from linkctl.errors import InputError
+
+        prof, h, _backend = load_with_host(profile, host)
+        if h.role != "head":
+            raise InputError(
+                f"model sync runs on the head ({prof.head.name}), this is {h.name}",
+                f"run it on {prof.head.name}",
+            )
+        src = Path(model or prof.serve.model)
+        if not src.is_file():
+            raise InputError(f"model {str(src)!r} is not a file", "set serve.model or pass --model")
+        pre = prof.prefill_host
+        if prof.serve.disagg.prefill_model:
+            raise InputError(
+                f"serve.disagg.prefill_model = {prof.serve.disagg.prefill_model!r} names the "
+                f"model's path on {pre.name}: there is nothing to sync",
+                "remove serve.disagg.prefill_model to let sync place it",
+            )
+        port = prof.serve.disagg.agent_port
+        plan = {
+            "source": str(src),
+            "bytes": src.stat().st_size,
+            "to": f"{pre.name} {pre.ip}:{port} models/{src.name}",
+            "from_address": h.ip,
+            "path_there": disagg.prefill_model_path(prof),
+        }
+        if dry_run:
+            print_json(plan) if json_ else [console.print(f"{k:13s} {v}") for k, v in plan.items()]
+            return
+        say = _stamp_say("model-sync")
+        last = [-1]
+
+        def progress(done: int, total: int) -> None:
+            pct = done * 100 // total if total else 100
+            if pct != last[0] and (pct % 5 == 0 or done == total):
+                last[0] = pct
+                sys.stderr.write(f"\r{src.name}: {done / 2**20:.0f}/{total / 2**20:.0f} MiB {pct}%")
+                sys.stderr.flush()
+
+        res = kvxfer.put(pre.ip, port, "models", src, source=h.ip, progress=progress)
+        sys.stderr.write("\n")
+        out = plan | res.as_dict()
+        if json_:
+            print_json(out)
+        else:
+            resumed = f", resumed from {res.resumed_from} bytes" if res.resumed_from else ""
+            say(
+                f"{src.name} -> {pre.name}:{plan['path_there']}: {res.bytes} bytes in "
+                f"{res.seconds:.2f} s ({res.gbps:.2f} Gbit/s){resumed}, sha256 {res.sha256[:16]} "
+                "verified"
+            )
+
