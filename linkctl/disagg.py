@@ -159,6 +159,8 @@ def run_prefill(
 ) -> int:
     """The prefill host: kv-agent on the link address, supervised llama-server on the
     link address (ready when /health answers)."""
+    import os
+
     from linkctl import kvxfer
     from linkctl.serve import check_bind_on_link, http_ok, status_path
     from linkctl.supervise import ChildSpec, Supervisor
@@ -177,11 +179,20 @@ def run_prefill(
     ).start()
     say(f"listening on {host.ip}:{agent.port} (peers {profile.link.subnet} only)")
     try:
+        model = prefill_model_path(profile)
+
+        def model_here() -> str | None:
+            # The agent is up already, so `linkctl model sync` on the head can bring it.
+            if os.path.isfile(model):
+                return None
+            return f"no model at {model}: run `linkctl model sync` on {profile.head.name}"
+
         spec = ChildSpec(
             "llama-server",
             plan.argv,
             ready=lambda: http_ok(f"{plan.prefill_url}/health", timeout=1.0),
             ready_timeout=300,
+            before_start=model_here,
         )
         return Supervisor(spec, policy=policy, log=log, status_path=status_path("prefill")).run()
     finally:

@@ -104,7 +104,7 @@ def test_route_disaggregated_equals_decode_alone_stream_and_fallback(make_lab, t
         "mode": "disaggregated",
         "model": model["path"],
         "ctx": 4096,
-        "disagg": {"threshold_tokens": THRESHOLD, "prefill_model": model["path"]},
+        "disagg": {"threshold_tokens": THRESHOLD},
     }
     prof = tmp_path / "disagg.toml"
     prof.write_text(tomli_w.dumps(data))
@@ -121,6 +121,15 @@ def test_route_disaggregated_equals_decode_alone_stream_and_fallback(make_lab, t
     pre = Serve(lab, "dgx", "prefill", ["--profile", str(prof)], tmp_path / "dgx.log")
     head = None
     try:
+        # No model on dgx yet: the agent listens, llama-server waits for `model sync`.
+        pre.wait(lambda s: s["state"] == "waiting", 60, "prefill waiting for the model")
+        assert "run `linkctl model sync` on mac" in pre.text()
+        r = lab.run("mac", "model", "sync", "--profile", str(prof), "--json")
+        assert r.returncode == 0, r.stderr
+        synced = json.loads(r.stdout)
+        assert synced["bytes"] == model["bytes"] and synced["from_address"] == "198.18.100.1"
+        there = Path(lab.info["root"]) / "hosts" / "dgx" / "models" / "tiny.gguf"
+        assert there.read_bytes() == Path(model["path"]).read_bytes()
         pre.wait(lambda s: s["state"] == "ready", 120, "prefill llama-server ready")
         head = Serve(
             lab, "mac", "head", ["--profile", str(prof), "--skip-probe"], tmp_path / "mac.log"
@@ -210,7 +219,35 @@ def test_route_disaggregated_equals_decode_alone_stream_and_fallback(make_lab, t
         (again,) = ops(lab, {"port": ROUTE, "path": "/completion", "body": greedy(long2)})
         assert again["headers"]["x-linkctl-route"] == "disaggregated", again["headers"]
         assert again["body"]["tokens"] == ref2["body"]["tokens"]
+
+        # route refuses a decode model that is not the prefill host's file, naming it.
+        other = write_tiny_llama(
+            tmp_path / "other.gguf", TinySpec(n_layer=6, n_embd=256, n_ff=512, n_ctx=4096, seed=1)
+        )
+        r = lab.run(
+            "mac", "route", "--profile", str(prof), "--model", other["path"], "--wait", "10"
+        )
+        assert r.returncode == 2, r.stderr
+        assert "the decode and prefill servers differ: model file: decode" in r.stderr, r.stderr
     finally:
         if head:
             head.stop()
         pre.stop()
+
+
+def test_compare_servers_names_each_difference():
+    from linkctl.route import compare_servers
+
+    a = {
+        "build_info": "b1-abc",
+        "model_ftype": "F32",
+        "total_slots": 1,
+        "chat_template": "t",
+        "default_generation_settings": {"n_ctx": 4096},
+    }
+    assert compare_servers(a, dict(a)) == []
+    b = a | {"build_info": "b2-def", "default_generation_settings": {"n_ctx": 2048}}
+    diffs = compare_servers(a, b)
+    assert len(diffs) == 2
+    assert "llama.cpp build (build_info): decode 'b1-abc', prefill 'b2-def'" in diffs[0]
+    assert "n_ctx" in diffs[1] and "4096" in diffs[1] and "2048" in diffs[1]

@@ -254,4 +254,3 @@ def _register_model_sync() -> None:
                 f"{res.seconds:.2f} s ({res.gbps:.2f} Gbit/s){resumed}, sha256 {res.sha256[:16]} "
                 "verified"
             )
-

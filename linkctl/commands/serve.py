@@ -189,7 +189,7 @@ def _serve_disaggregated(prof, h, backend, bins, model, skip_probe, dry_run, jso
                 f"{h.name} is not serve.disagg.prefill_host ({prof.prefill_host.name})",
                 "run serve on the prefill host and the head only",
             )
-        sv.model_path_check(plan.argv[plan.argv.index("-m") + 1])
+        # No model check here: the kv-agent starts first, so `model sync` can bring it.
         raise typer.Exit(disagg.run_prefill(plan, prof, h, backend))
     sv.model_path_check(plan.argv[plan.argv.index("-m") + 1])
     if skip_probe:
