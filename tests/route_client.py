@@ -18,6 +18,32 @@ import threading
 import time
 
 
+def prompt_of(n_tokens: int, seed: int = 0) -> str:
+    """A text of n_tokens tokens for the tiny model (one token per byte, plus BOS)."""
+    words = [
+        "the",
+        "link",
+        "moves",
+        "a",
+        "cache",
+        "of",
+        "keys",
+        "and",
+        "values",
+        "from",
+        "one",
+        "host",
+        "to",
+        "the",
+        "other",
+    ]
+    out, i = [], seed
+    while len(" ".join(out)) < n_tokens:
+        out.append(words[i % len(words)])
+        i += 7
+    return " ".join(out)[: n_tokens - 1]
+
+
 def post(port: int, path: str, body: dict, stream: bool) -> dict:
     t0 = time.monotonic()
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from llama_util import need_llama
+from route_client import prompt_of
 from test_serve_lab import Serve
 
 pytestmark = [pytest.mark.netns, pytest.mark.llama]
@@ -35,32 +36,6 @@ def ops(lab, *items: dict, timeout: float = 600) -> list[dict]:
     )
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout)
-
-
-def text(n: int, seed: int = 0) -> str:
-    """n bytes of text: one token per byte for the tiny model (+ BOS)."""
-    words = [
-        "the",
-        "link",
-        "moves",
-        "a",
-        "cache",
-        "of",
-        "keys",
-        "and",
-        "values",
-        "from",
-        "one",
-        "host",
-        "to",
-        "the",
-        "other",
-    ]
-    out, i = [], seed
-    while len(" ".join(out)) < n:
-        out.append(words[i % len(words)])
-        i += 7
-    return " ".join(out)[:n]
 
 
 def greedy(prompt: str, n: int = 24, **extra) -> dict:
@@ -139,7 +114,7 @@ def test_route_disaggregated_equals_decode_alone_stream_and_fallback(make_lab, t
         head.wait(lambda s: route_status.exists(), 60, "route listening")
         assert "match: build" in head.text()
 
-        long_prompt = text(300)
+        long_prompt = prompt_of(300)
         ref, via, streamed, ref_chat, via_chat, short = ops(
             lab,
             # The decode server alone, from scratch.
@@ -196,7 +171,7 @@ def test_route_disaggregated_equals_decode_alone_stream_and_fallback(make_lab, t
 
         # Kill the prefill server while route prefills there: the request still succeeds,
         # prefilled on the decode host, with the same tokens.
-        long2 = text(1500, seed=3)
+        long2 = prompt_of(1500, seed=3)
         ref2, fell = ops(
             lab,
             {"port": DECODE, "path": "/completion", "body": greedy(long2, cache_prompt=False)},
