@@ -100,7 +100,9 @@ def predict(
         raise InputError("disaggregation needs link figures", "run `linkctl probe` or pass them")
     head = next(p for p in parts if p.role == "head")
     pre = next(p for p in parts if p.host == prefill_host)
-    est = estimate(model, parts, link, ctx, ngl=ngl, n_prompt=n_prompt)
+    # Decode is costed at the middle of the output (the KV cache it reads grows).
+    depth = min(ctx, n_prompt + n_out // 2)
+    est = estimate(model, parts, link, ctx, ngl=ngl, n_prompt=n_prompt, depth=depth)
     alone = estimate(model, [_as_head(pre)], None, ctx, ngl=ngl, n_prompt=n_prompt).local
     plans = []
     for name, sc in (("local", est.local), ("split", est.split)):
