@@ -74,8 +74,18 @@ class DisaggEstimate:
         return asdict(self)
 
 
-def _as_head(p):
-    return dataclasses.replace(p, role="head")
+def _alone(model, p, ctx: int, ngl: int, n_prompt: int):
+    """The estimate's scenario for host ``p`` serving alone; None when the model does
+    not fit it (disaggregation needs the whole model on each host)."""
+    from linkctl.estimate import estimate
+
+    try:
+        sc = estimate(
+            model, [dataclasses.replace(p, role="head")], None, ctx, ngl=ngl, n_prompt=n_prompt
+        ).local
+    except InputError:
+        return None
+    return sc if sc is not None and sc.fits else None
 
 
 def predict(
@@ -103,7 +113,7 @@ def predict(
     # Decode is costed at the middle of the output (the KV cache it reads grows).
     depth = min(ctx, n_prompt + n_out // 2)
     est = estimate(model, parts, link, ctx, ngl=ngl, n_prompt=n_prompt, depth=depth)
-    alone = estimate(model, [_as_head(pre)], None, ctx, ngl=ngl, n_prompt=n_prompt).local
+    alone = _alone(model, pre, ctx, ngl, n_prompt)
     plans = []
     for name, sc in (("local", est.local), ("split", est.split)):
         if sc is None:
@@ -121,33 +131,36 @@ def predict(
                 terms_s={"prefill": prefill, "first token": tok, "decode": (n_out - 1) * tok},
             )
         )
-    assert est.local is not None and alone is not None
-    kv = kv_file_bytes(model, n_prompt)
-    wire = kv * 8 / (link.throughput_gbps * 1e9)
-    io = 2 * kv / (STATE_IO_GBS * 1e9)
-    prefill = n_prompt / alone.prefill_tok_s
-    tok = est.local.decode_us / 1e6
-    transfer = wire + io + DISAGG_FIXED_S
-    plans.append(
-        PlanTime(
-            "disaggregated",
-            prefill + transfer + tok,
-            prefill + transfer + n_out * tok,
-            prefill,
-            est.local.decode_tok_s,
-            transfer_s=transfer,
-            kv_bytes=kv,
-            fits=est.local.fits and alone.fits,
-            terms_s={
-                f"prefill on {pre.host}": prefill,
-                "KV over the link": wire,
-                "save + restore": io,
-                "fixed": DISAGG_FIXED_S,
-                "first token": tok,
-                "decode": (n_out - 1) * tok,
-            },
+    assert est.local is not None
+    notes = list(est.warnings)
+    if alone is None or not est.local.fits:
+        notes.append("disaggregated: the model does not fit each host alone (both hold all of it)")
+    else:
+        kv = kv_file_bytes(model, n_prompt)
+        wire = kv * 8 / (link.throughput_gbps * 1e9)
+        io = 2 * kv / (STATE_IO_GBS * 1e9)
+        prefill = n_prompt / alone.prefill_tok_s
+        tok = est.local.decode_us / 1e6
+        transfer = wire + io + DISAGG_FIXED_S
+        plans.append(
+            PlanTime(
+                "disaggregated",
+                prefill + transfer + tok,
+                prefill + transfer + n_out * tok,
+                prefill,
+                est.local.decode_tok_s,
+                transfer_s=transfer,
+                kv_bytes=kv,
+                terms_s={
+                    f"prefill on {pre.host}": prefill,
+                    "KV over the link": wire,
+                    "save + restore": io,
+                    "fixed": DISAGG_FIXED_S,
+                    "first token": tok,
+                    "decode": (n_out - 1) * tok,
+                },
+            )
         )
-    )
     fitting = [p for p in plans if p.fits] or plans
     return DisaggEstimate(
         prompt_tokens=n_prompt,
@@ -159,17 +172,15 @@ def predict(
         prefill_host=pre.host,
         decode_host=head.host,
         link_gbps=link.throughput_gbps,
-        notes=list(est.warnings),
+        notes=notes,
     )
 
 
 def _ttft_gain(model, head, pre, link, ctx: int, ngl: int, n: int) -> float:
     """Local TTFT minus disaggregated TTFT for an n-token prompt (> 0: disaggregate)."""
-    from linkctl.estimate import estimate
-
-    loc = estimate(model, [head], None, ctx, ngl=ngl, n_prompt=n).local
-    alone = estimate(model, [_as_head(pre)], None, ctx, ngl=ngl, n_prompt=n).local
-    assert loc is not None and alone is not None
+    loc, alone = _alone(model, head, ctx, ngl, n), _alone(model, pre, ctx, ngl, n)
+    if loc is None or alone is None:
+        return float("-inf")
     kv = kv_file_bytes(model, n)
     transfer = kv * 8 / (link.throughput_gbps * 1e9) + 2 * kv / (STATE_IO_GBS * 1e9)
     return n / loc.prefill_tok_s - (n / alone.prefill_tok_s + transfer + DISAGG_FIXED_S)
@@ -277,6 +288,9 @@ def render(de: DisaggEstimate) -> None:
             f"{p.transfer_s:9.3f} {p.decode_tok_s:12.1f}{flag}",
             markup=False,
         )
+    for note in de.notes:
+        if note.startswith("disaggregated:"):
+            console.print(f"  {note}", markup=False)
     kv = next((p.kv_bytes for p in de.plans if p.name == "disaggregated"), 0)
     console.print(
         f"  KV cache moved: {kv / 2**20:.1f} MiB at {de.link_gbps:g} Gbit/s. "

@@ -7,7 +7,7 @@ import json
 
 import pytest
 from conftest import linkctl
-from ggufshapes import LLAMA_70B, write_header_only
+from ggufshapes import LLAMA_70B, QWEN3_235B_A22B, write_header_only
 from test_estimate import GIB, dev
 
 from linkctl.disagg_estimate import (
@@ -77,6 +77,14 @@ def test_threshold_is_where_the_gain_turns_positive(m70):
     assert threshold(m70, p[1], p[0], slow, 8192) > t
     same = parts(rpc_tflops=30.0, rpc_bw=800.0)
     assert threshold(m70, same[1], same[0], LINK, 8192) is None
+
+
+def test_no_disaggregated_plan_when_the_model_fits_neither_host_alone(tmp_path):
+    moe = read_model(write_header_only(tmp_path / "moe.gguf", QWEN3_235B_A22B))
+    de = predict(moe, parts(), LINK, 4096, 2048, 16, "dgx")
+    assert [p.name for p in de.plans] == ["local", "split"]
+    assert de.threshold_tokens is None and de.winner_ttft == "split"
+    assert any("does not fit each host alone" in n for n in de.notes)
 
 
 def test_predict_refuses_bad_lengths(m70):
