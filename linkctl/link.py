@@ -7,6 +7,7 @@ before and after; bad input changes nothing; a second setup does nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -20,7 +21,7 @@ from linkctl.backend import Backend
 from linkctl.errors import ApplyError, CheckFailed, InputError
 from linkctl.netstate import Drift, LinkFacts, LinkStatus, Route
 from linkctl.paths import state_dir
-from linkctl.plan import Change, Plan, apply, rollback
+from linkctl.plan import Change, Effect, Kind, Plan, apply, rollback
 from linkctl.profile import HostSpec, Profile
 
 
@@ -284,14 +285,22 @@ def setup(
     if dry_run:
         result.elapsed_s = time.perf_counter() - t0
         return result
-    adds_address = any(c.action in ("addr_add", "run") for c in plan.changes)
-    if adds_address and facts.up and facts.carrier:
+    # The duplicate-address probe (RFC 5227) is needed when the plan puts an address
+    # on the link, as each change declares (plan.Effect): setup plans only ever
+    # configure the profile's address, never remove one.
+    if plan.touches(Effect.ADDRESS) and facts.up and facts.carrier:
         _check_address_free(host, facts)
 
     def before(change: Change) -> None:
-        # A link that was down can only be probed once it is up: probe just
-        # before the address goes on; a hit rolls the link back down.
-        if change.action == "addr_add" and not (facts.up and facts.carrier):
+        # A link that was down can only be probed once it is up: probe just before
+        # the address goes on, when an earlier change brought the link up (one that
+        # brings the link up itself, an NM activation, cannot be probed before); a
+        # hit rolls the link back down.
+        if (
+            change.has(Effect.ADDRESS)
+            and not change.has(Effect.LINK)
+            and not (facts.up and facts.carrier)
+        ):
             now = wait_for_carrier(backend, host.interface, CARRIER_WAIT_S, required=False)
             if now.carrier:
                 _check_address_free(host, now)
@@ -351,11 +360,7 @@ def teardown(
     if recorded:
         # Each teardown step's undo is the setup change it reverses, so a
         # failed teardown rolls forward to the state it started from.
-        steps = [
-            Change(c.undo.action, c.undo.target, c.undo.summary, c.undo.args, undo=c)
-            for c in reversed(recorded)
-            if c.undo
-        ]
+        steps = [dataclasses.replace(c.undo, undo=c) for c in reversed(recorded) if c.undo]
         plan = Plan(_still_needed(steps, facts))
     else:
         plan = backend.plan_teardown(profile.name, host, facts)
@@ -376,13 +381,13 @@ def _still_needed(steps: list[Change], facts: LinkFacts) -> list[Change]:
     """Drop teardown steps whose effect is already there (e.g. address removed by hand)."""
     out = []
     for s in steps:
-        if s.action == "addr_del" and not facts.has_address(
+        if s.action is Kind.ADDR_DEL and not facts.has_address(
             f"{s.args['address']}/{s.args['prefixlen']}"
         ):
             continue
-        if s.action == "link_down" and not facts.up:
+        if s.action is Kind.LINK_DOWN and not facts.up:
             continue
-        if s.action == "set_mtu" and facts.mtu == s.args["mtu"]:
+        if s.action is Kind.SET_MTU and facts.mtu == s.args["mtu"]:
             continue
         out.append(s)
     return out

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from linkctl import rtnl
 from linkctl.errors import ApplyError, CheckFailed, InputError
 from linkctl.netstate import LinkFacts, Route
-from linkctl.plan import Change, Plan
+from linkctl.plan import ALL_EFFECTS, Change, Kind, Plan
 from linkctl.profile import HostSpec, LinkSpec
 from linkctl.runner import CommandFailed, Runner
 
@@ -33,6 +33,9 @@ MAIN_TABLE = 254
 IFF_UP = 0x1
 _PROTO = {2: "kernel", 3: "boot", 4: "static", 16: "dhcp", 186: "bgp", 196: "ra"}
 _SCOPE = {0: "universe", 200: "site", 253: "link", 254: "host", 255: "nowhere"}
+# What an NM activation does to the device (and deleting an active connection, or
+# adding one with autoconnect, which NM may activate at once): all of it.
+NM_ACTIVATION = ALL_EFFECTS
 NMCLI_NOT_FOUND = 10  # nmcli(1) exit status: connection, device or access point does not exist
 # The system bus's default socket (dbus-daemon(1)); /var/run is a link to /run on Debian.
 DBUS_SYSTEM_SOCKETS = ("/run/dbus/system_bus_socket", "/var/run/dbus/system_bus_socket")
@@ -200,10 +203,10 @@ class LinuxBackend:
         if not facts.up:
             plan.changes.append(
                 Change(
-                    "link_up",
+                    Kind.LINK_UP,
                     ifname,
                     f"{ifname}: bring up",
-                    undo=Change("link_down", ifname, f"{ifname}: bring down"),
+                    undo=Change(Kind.LINK_DOWN, ifname, f"{ifname}: bring down"),
                 )
             )
         addr = str(host.address)
@@ -211,11 +214,11 @@ class LinuxBackend:
             args = {"address": host.ip, "prefixlen": host.address.network.prefixlen}
             plan.changes.append(
                 Change(
-                    "addr_add",
+                    Kind.ADDR_ADD,
                     ifname,
                     f"{ifname}: add {addr} (no gateway, no default route)",
                     args,
-                    undo=Change("addr_del", ifname, f"{ifname}: remove {addr}", args),
+                    undo=Change(Kind.ADDR_DEL, ifname, f"{ifname}: remove {addr}", args),
                 )
             )
         return plan
@@ -223,11 +226,11 @@ class LinuxBackend:
     @staticmethod
     def _mtu_change(ifname: str, old: int, new: int) -> Change:
         return Change(
-            "set_mtu",
+            Kind.SET_MTU,
             ifname,
             f"{ifname}: MTU {old} -> {new}",
             {"mtu": new},
-            undo=Change("set_mtu", ifname, f"{ifname}: MTU {new} -> {old}", {"mtu": old}),
+            undo=Change(Kind.SET_MTU, ifname, f"{ifname}: MTU {new} -> {old}", {"mtu": old}),
         )
 
     def _plan_nm(self, profile: str, host: HostSpec, link: LinkSpec, facts: LinkFacts) -> Plan:
@@ -250,7 +253,7 @@ class LinuxBackend:
         if have is None:
             plan.changes.append(
                 Change(
-                    "run",
+                    Kind.RUN,
                     con,
                     f"NetworkManager: add connection {con} on {ifname} "
                     f"({host.address}, MTU {link.mtu}, never-default)",
@@ -269,27 +272,33 @@ class LinuxBackend:
                         ]
                     },
                     undo=Change(
-                        "run",
+                        Kind.RUN,
                         con,
                         f"NetworkManager: delete connection {con}",
                         {"argv": ["nmcli", "connection", "delete", con]},
+                        effects=NM_ACTIVATION,
                     ),
+                    effects=NM_ACTIVATION,
                 )
             )
         elif any(have.get(k, "") != v for k, v in want.items() if k != "ipv4.gateway"):
             old = [x for k in want for x in (k, have.get(k, ""))]
             plan.changes.append(
+                # A modified profile reaches the device only at its next activation
+                # (nmcli(1), connection modify): no runtime effect by itself.
                 Change(
-                    "run",
+                    Kind.RUN,
                     con,
                     f"NetworkManager: update connection {con} to the profile",
                     {"argv": ["nmcli", "connection", "modify", con, *settings]},
                     undo=Change(
-                        "run",
+                        Kind.RUN,
                         con,
                         f"NetworkManager: restore connection {con}",
                         {"argv": ["nmcli", "connection", "modify", con, *old]},
+                        effects=frozenset(),
                     ),
+                    effects=frozenset(),
                 )
             )
         runtime_ok = facts.has_address(str(host.address)) and facts.mtu == link.mtu and facts.up
@@ -302,16 +311,18 @@ class LinuxBackend:
             )
             plan.changes.append(
                 Change(
-                    "run",
+                    Kind.RUN,
                     con,
                     f"NetworkManager: activate {con} on {ifname}",
                     {"argv": ["nmcli", "connection", "up", con, "ifname", ifname]},
                     undo=Change(
-                        "run",
+                        Kind.RUN,
                         con,
                         f"NetworkManager: {' '.join(back[1:3])} {back[3]}",
                         {"argv": back},
+                        effects=NM_ACTIVATION,
                     ),
+                    effects=NM_ACTIVATION,
                 )
             )
         return plan
@@ -339,15 +350,16 @@ class LinuxBackend:
             con = nm_connection_name(profile)
             plan.changes.append(
                 Change(
-                    "run",
+                    Kind.RUN,
                     con,
                     f"NetworkManager: delete connection {con}",
                     {"argv": ["nmcli", "connection", "delete", con]},
+                    effects=NM_ACTIVATION,
                 )
             )
         elif facts.has_address(addr):
             args = {"address": host.ip, "prefixlen": host.address.network.prefixlen}
-            plan.changes.append(Change("addr_del", ifname, f"{ifname}: remove {addr}", args))
+            plan.changes.append(Change(Kind.ADDR_DEL, ifname, f"{ifname}: remove {addr}", args))
         if plan.changes:
             plan.notes.append(
                 "no setup record found: removing the profile's address only; "
@@ -385,7 +397,7 @@ class LinuxBackend:
 
     def execute(self, change: Change) -> None:
         self._owners.clear()  # a change (an NM activation above all) may change the owner
-        if change.action == "run":
+        if change.action is Kind.RUN:
             self.runner.run(change.args["argv"], timeout=60)
             return
         from pyroute2.netlink.exceptions import NetlinkError
@@ -400,15 +412,15 @@ class LinuxBackend:
     @staticmethod
     def _netlink(ipr: IPRoute, index: int, change: Change) -> None:
         a: dict[str, Any] = change.args
-        if change.action == "set_mtu":
+        if change.action is Kind.SET_MTU:
             ipr.link("set", index=index, mtu=a["mtu"])
-        elif change.action == "link_up":
+        elif change.action is Kind.LINK_UP:
             ipr.link("set", index=index, state="up")
-        elif change.action == "link_down":
+        elif change.action is Kind.LINK_DOWN:
             ipr.link("set", index=index, state="down")
-        elif change.action == "addr_add":
+        elif change.action is Kind.ADDR_ADD:
             ipr.addr("add", index=index, address=a["address"], prefixlen=a["prefixlen"])
-        elif change.action == "addr_del":
+        elif change.action is Kind.ADDR_DEL:
             _addr_del_keeping_others(ipr, index, change.target, a["address"], a["prefixlen"])
         else:
             raise ApplyError(f"unknown change action {change.action!r}")
@@ -417,12 +429,12 @@ class LinuxBackend:
     def _netlink_error(change: Change, e: NetlinkError) -> Exception:
         code = e.code
         text = errno.errorcode.get(code, str(code))
-        if change.action == "set_mtu" and code in (errno.EINVAL, errno.ERANGE):
+        if change.action is Kind.SET_MTU and code in (errno.EINVAL, errno.ERANGE):
             return InputError(
                 f"{change.target} refused MTU {change.args['mtu']} ({text})",
                 "set link.mtu to a value the NIC supports (see `linkctl status`)",
             )
-        if change.action == "addr_del" and code == errno.EADDRNOTAVAIL:
+        if change.action is Kind.ADDR_DEL and code == errno.EADDRNOTAVAIL:
             return ApplyError(f"{change.summary}: address is already gone")
         return ApplyError(f"{change.summary}: netlink error {text}: {e}")
 

@@ -53,7 +53,7 @@ from linkctl.macos_parse import (
     parse_service_order,
 )
 from linkctl.netstate import LinkFacts, Route
-from linkctl.plan import Change, Plan
+from linkctl.plan import Change, Effect, Kind, Plan
 from linkctl.profile import HostSpec, LinkSpec
 from linkctl.runner import CommandFailed, Runner
 
@@ -63,8 +63,22 @@ SETTLE_POLL_S = 0.5
 _NOT_IN_TABLE = "not in table"
 
 
-def _run_change(argv: list[str], target: str, summary: str, undo: Change | None = None) -> Change:
-    return Change("run", target, summary, {"argv": argv}, undo=undo)
+# What each networksetup/route change alters: a service's IPv4 configuration is its
+# address and, with it, the subnet route.
+SERVICE_CONFIG = frozenset({Effect.ADDRESS, Effect.ROUTE})
+MTU = frozenset({Effect.MTU})
+ROUTE = frozenset({Effect.ROUTE})
+
+
+def _run_change(
+    argv: list[str],
+    target: str,
+    summary: str,
+    *,
+    effects: frozenset[Effect],
+    undo: Change | None = None,
+) -> Change:
+    return Change(Kind.RUN, target, summary, {"argv": argv}, undo=undo, effects=effects)
 
 
 class MacBackend:
@@ -333,10 +347,12 @@ class MacBackend:
                     [NETWORKSETUP, "-setMTU", ifname, str(link.mtu)],
                     ifname,
                     f"{ifname}: MTU {old} -> {link.mtu} (networksetup -setMTU)",
+                    effects=MTU,
                     undo=_run_change(
                         [NETWORKSETUP, "-setMTU", ifname, str(old)],
                         ifname,
                         f"{ifname}: MTU {link.mtu} -> {old}",
+                        effects=MTU,
                     ),
                 )
             )
@@ -351,7 +367,10 @@ class MacBackend:
                     [NETWORKSETUP, "-setmanual", svc.name, host.ip, mask],
                     svc.name,
                     f"{svc.name}: manual {host.address} on {ifname}, no router (no default route)",
-                    undo=_run_change(before, svc.name, f"{svc.name}: restore {was}"),
+                    effects=SERVICE_CONFIG,
+                    undo=_run_change(
+                        before, svc.name, f"{svc.name}: restore {was}", effects=SERVICE_CONFIG
+                    ),
                 )
             )
         plan.notes.append(
@@ -374,7 +393,13 @@ class MacBackend:
                     [NETWORKSETUP, "-setdhcp", svc.name],
                     svc.name,
                     f"{svc.name}: back to DHCP (removes {host.address})",
-                    undo=_run_change(back, svc.name, f"{svc.name}: manual {host.address} again"),
+                    effects=SERVICE_CONFIG,
+                    undo=_run_change(
+                        back,
+                        svc.name,
+                        f"{svc.name}: manual {host.address} again",
+                        effects=SERVICE_CONFIG,
+                    ),
                 )
             )
             plan.notes.append(
@@ -426,7 +451,10 @@ class MacBackend:
                     ifname,
                     f"route {subnet} to {ifname} (macOS left the subnet route out: "
                     f"{'; '.join(astray)})",
-                    undo=_run_change(delete, ifname, f"remove route {subnet} -interface {ifname}"),
+                    effects=ROUTE,
+                    undo=_run_change(
+                        delete, ifname, f"remove route {subnet} -interface {ifname}", effects=ROUTE
+                    ),
                 )
             )
         return plan
@@ -434,7 +462,7 @@ class MacBackend:
     # ---- execution ------------------------------------------------------------------
 
     def execute(self, change: Change) -> None:
-        if change.action != "run":
+        if change.action is not Kind.RUN:
             raise ApplyError(f"unknown change action {change.action!r} for the macOS backend")
         argv = [str(a) for a in change.args["argv"]]
         if self._euid() != 0:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from linkctl.errors import ApplyError, LinkctlError
@@ -19,27 +20,91 @@ from linkctl.errors import ApplyError, LinkctlError
 log = logging.getLogger("linkctl.plan")
 
 
+class Kind(StrEnum):
+    """What a change is, as the backend executes it. A StrEnum: recorded and shown
+    (JSON, LINKCTL_INJECT_FAULT) as its value."""
+
+    SET_MTU = "set_mtu"  # netlink: args mtu
+    LINK_UP = "link_up"
+    LINK_DOWN = "link_down"
+    ADDR_ADD = "addr_add"  # netlink: args address, prefixlen
+    ADDR_DEL = "addr_del"
+    RUN = "run"  # an external command (nmcli, networksetup, route): args argv
+
+
+class Effect(StrEnum):
+    """What a change alters in the running network state. The backend declares it on
+    every change it plans, so link-level logic (the duplicate-address probe, above
+    all) asks the change, never its name or its argv."""
+
+    ADDRESS = "address"  # an IPv4 address appears on or leaves the interface
+    MTU = "mtu"
+    LINK = "link"  # administrative state (up/down), and with it carrier
+    ROUTE = "route"  # a route appears or goes (the subnet route comes with an address)
+
+
+# What a netlink change does by its nature; RUN changes say it themselves.
+KIND_EFFECTS: dict[Kind, frozenset[Effect]] = {
+    Kind.SET_MTU: frozenset({Effect.MTU}),
+    Kind.LINK_UP: frozenset({Effect.LINK}),
+    Kind.LINK_DOWN: frozenset({Effect.LINK}),
+    Kind.ADDR_ADD: frozenset({Effect.ADDRESS, Effect.ROUTE}),
+    Kind.ADDR_DEL: frozenset({Effect.ADDRESS, Effect.ROUTE}),
+    Kind.RUN: frozenset(),
+}
+
+
+ALL_EFFECTS: frozenset[Effect] = frozenset(Effect)
+
+
 @dataclass(frozen=True)
 class Change:
-    action: str  # backend verb, e.g. "set_mtu", "addr_add", "run"
+    action: Kind  # what the backend executes
     target: str  # the interface or service it acts on
     summary: str  # one human line, e.g. "enP7s7: MTU 1500 -> 9000"
     args: dict[str, Any] = field(default_factory=dict, hash=False, compare=True)
     undo: Change | None = None
+    # What it alters (see Effect). None takes the kind's own (KIND_EFFECTS); a RUN
+    # change must declare them, since only its backend knows what the command does.
+    effects: frozenset[Effect] | None = None
+
+    def __post_init__(self) -> None:
+        kind = Kind(self.action)  # ValueError for a verb no backend executes
+        object.__setattr__(self, "action", kind)
+        if self.effects is None and kind is Kind.RUN:
+            raise ValueError(f"run change {self.summary!r} declares no effects")
+        fx = KIND_EFFECTS[kind] if self.effects is None else self.effects
+        object.__setattr__(self, "effects", frozenset(Effect(e) for e in fx))
+
+    def has(self, effect: Effect) -> bool:
+        return effect in (self.effects or ())
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "action": self.action,
+            "action": self.action.value,
             "target": self.target,
             "summary": self.summary,
             "args": self.args,
+            "effects": sorted(e.value for e in self.effects or ()),
             "undo": self.undo.as_dict() if self.undo else None,
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Change:
         undo = cls.from_dict(d["undo"]) if d.get("undo") else None
-        return cls(d["action"], d["target"], d["summary"], dict(d.get("args") or {}), undo)
+        # Records written before effects were declared: the kind's own, none for a
+        # command (teardown uses only a recorded change's kind, args and undo).
+        fx: Iterable[str] | None = d.get("effects")
+        if fx is None and d["action"] == Kind.RUN:
+            fx = ()
+        return cls(
+            d["action"],
+            d["target"],
+            d["summary"],
+            dict(d.get("args") or {}),
+            undo,
+            None if fx is None else frozenset(Effect(e) for e in fx),
+        )
 
 
 @dataclass
@@ -53,6 +118,9 @@ class Plan:
 
     def as_dict(self) -> dict[str, Any]:
         return {"changes": [c.as_dict() for c in self.changes], "notes": self.notes}
+
+    def touches(self, effect: Effect) -> bool:
+        return any(c.has(effect) for c in self.changes)
 
     def undo_plan(self) -> Plan:
         """The plan that reverses this one: the undos, last change first."""

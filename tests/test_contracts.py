@@ -21,7 +21,7 @@ from linkctl.backend import Backend
 from linkctl.linux import LinuxBackend
 from linkctl.macos import MacBackend
 from linkctl.netstate import LinkFacts, Route
-from linkctl.plan import Change, Plan
+from linkctl.plan import Change, Effect, Kind, Plan
 from linkctl.profile import load_profile
 from linkctl.runner import Runner
 
@@ -86,8 +86,12 @@ def check_plan(plan: Plan, *, undo_required: bool) -> None:
         assert type(c) is Change and c.action and c.target and c.summary
         if undo_required:
             assert type(c.undo) is Change and c.undo.summary, f"no undo: {c.summary}"
-        if c.action == "run":
-            assert type(c.args["argv"]) is list and all(type(a) is str for a in c.args["argv"])
+        for x in (c, c.undo) if c.undo else (c,):
+            # Typed: a kind the backend executes, and the effects it declares.
+            assert type(x.action) is Kind
+            assert type(x.effects) is frozenset and all(type(e) is Effect for e in x.effects)
+            if x.action is Kind.RUN:
+                assert type(x.args["argv"]) is list and all(type(a) is str for a in x.args["argv"])
 
 
 def test_interfaces(case):
@@ -134,6 +138,21 @@ def test_setup_plan_shape_every_change_has_its_undo(case):
     plan = b.plan_setup(PROF.name, host, PROF.link, _before_setup(b, host))
     assert plan.changes
     check_plan(plan, undo_required=True)
+    # From a 1500-MTU port without the address, the plan declares that it sets the
+    # MTU and puts the address on (what link.setup's duplicate-address probe asks).
+    assert plan.touches(Effect.MTU) and plan.touches(Effect.ADDRESS)
+
+
+def test_a_command_change_must_declare_its_effects():
+    with pytest.raises(ValueError, match="declares no effects"):
+        Change(Kind.RUN, "x", "run something", {"argv": ["true"]})
+    with pytest.raises(ValueError):
+        Change("frobnicate", "x", "not a kind")
+    # A setup record written before effects were declared still loads: netlink kinds
+    # get their own effects, a command none.
+    old = {"action": "addr_add", "target": "e", "summary": "s", "args": {}, "undo": None}
+    assert Change.from_dict(old).effects == {Effect.ADDRESS, Effect.ROUTE}
+    assert Change.from_dict({**old, "action": "run"}).effects == frozenset()
 
 
 def test_teardown_and_follow_up_plans(case):
@@ -143,6 +162,7 @@ def test_teardown_and_follow_up_plans(case):
         facts = b.link_facts(host.interface)
         check_plan(b.plan_teardown(PROF.name, host, facts), undo_required=False)
         follow = b.plan_follow_up(host, PROF.link, PROF.peers_of(host.name))
+        assert all(c.effects == {Effect.ROUTE} for c in follow.changes)
     else:
         # No peers: nothing is looked up, only the shape is checked.
         follow = b.plan_follow_up(host, PROF.link, [])
