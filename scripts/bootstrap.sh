@@ -65,7 +65,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 
-bin="$(PYTHON=.venv/bin/python bash scripts/build-llama.sh)"
+# The CPU build: the lab and the tests run it (CUDA and Metal are for the real hosts).
+bin="$(PYTHON=.venv/bin/python bash scripts/build-llama.sh --backend cpu)"
 export LINKCTL_LLAMA_BIN="$bin"
 export PATH="$repo/.venv/bin:$PATH"
 
