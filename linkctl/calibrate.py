@@ -188,9 +188,9 @@ class _Servers:
 
 # Generated models for the two-term solve: many thin blocks against few wide ones, so
 # the per-block cost and the bandwidth weigh differently in their per-token times.
-# The CPU pair (60-110 MB) is larger than a CPU's last-level cache; a GPU host gets a
-# pair of 0.6-1.6 GB, past the tens of MB of a GPU's L2 or an Apple chip's system
-# cache, so the bandwidth measured is the memory's.
+# The small pair (60-110 MB) is larger than a CPU's last-level cache; the large pair
+# (0.6-1.6 GB) is past the tens of MB of a GPU's L2 or an Apple chip's system cache,
+# so the bandwidth measured is the memory's (see calibration_models for which).
 GENERATED = {
     "cpu": (
         TinySpec(n_layer=24, n_embd=256, n_head=4, n_ff=512),
@@ -207,9 +207,17 @@ def _blocks_per_byte(model) -> float:
     return model.block_count / max(1, sum(model.layer_active_bytes()))
 
 
+def _spec_blocks_per_byte(spec: TinySpec) -> float:
+    """Blocks per byte of a generated model (F32: 4 x (4 e^2 + 3 e ff) bytes a block)."""
+    e, ff = spec.n_embd, spec.n_ff
+    return 1.0 / (4 * (4 * e * e + 3 * e * ff))
+
+
 def calibration_models(given: list[Path], workdir: Path, kind: str = "cpu") -> list[Path]:
     """The given models, plus generated ones until there are two of different shape:
-    with one given model, the generated model whose blocks-per-byte differs most."""
+    with one given model, the generated model whose blocks-per-byte differs most from
+    it, of the given model's size class (so both sit past the same caches); without
+    one, the pair for the device kind."""
     from linkctl.gguf_info import read_model
     from linkctl.tinymodel import write_tiny_llama
 
@@ -221,12 +229,13 @@ def calibration_models(given: list[Path], workdir: Path, kind: str = "cpu") -> l
 
     if len(given) >= 2:
         return given
-    deep, wide = (gen(spec) for spec in GENERATED.get(kind, GENERATED["cpu"]))
     if not given:
-        return [deep, wide]
-    r = math.log(_blocks_per_byte(read_model(given[0])))
-    far = max((deep, wide), key=lambda p: abs(math.log(_blocks_per_byte(read_model(p))) - r))
-    return [given[0], far]
+        return [gen(spec) for spec in GENERATED.get(kind, GENERATED["cpu"])]
+    m = read_model(given[0])
+    pair = GENERATED["gpu" if m.total_bytes > 300e6 else "cpu"]
+    r = math.log(_blocks_per_byte(m))
+    far = max(pair, key=lambda spec: abs(math.log(_spec_blocks_per_byte(spec)) - r))
+    return [given[0], gen(far)]
 
 
 def solve_two_terms(
