@@ -1,13 +1,15 @@
 """doctor: one read-only pass over everything that must be true before `linkctl serve`.
 
-Each check is one ``Line`` (PASS / WARN / FAIL, or SKIP when a check it depends on
-failed) with the fix for WARN and FAIL. The checks reuse the code that acts on the
+Each check is one ``linkctl.checks.Check`` (PASS / WARN / FAIL, or SKIP when a check
+it depends on failed) with the fix for WARN and FAIL. The checks reuse the code that acts on the
 same facts, so doctor and the real commands cannot disagree:
 
     profile          linkctl.profile (load_profile)
     host             linkctl.link.identify_host
-    interface, speed, duplex, address, mtu, default route
-                     linkctl.link.status (the backend's link_facts and the drift rules)
+    interface, speed, duplex, address, mtu
+                     linkctl.checks.nic_checks (what status and probe apply), on the
+                     backend's link_facts
+    default route    linkctl.link.status
     peer <name>      linkctl.probe.peer.check_peer (ARP who-has, pinned MAC)
     llama binaries, rpc protocol, rpc <name>
                      linkctl.llama (find_bins, local_rpc_protocol, compatible), linkctl.rpc
@@ -32,38 +34,23 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from linkctl.backend import Backend
+from linkctl.checks import Check, Verdict, nic_checks, speed_text
 from linkctl.errors import CheckFailed, InputError
 from linkctl.netstate import LinkStatus
 from linkctl.profile import HostSpec, Profile
 
-Verdict = Literal["PASS", "WARN", "FAIL", "SKIP"]
-SETUP_FIX = "linkctl setup"
 PROBE_FIX = "linkctl probe"
 DEFAULT_PEER_TIMEOUT_S = 2.0
 
 
 @dataclass
-class Line:
-    """One check's result."""
-
-    check: str
-    verdict: Verdict
-    value: Any = None
-    detail: str = ""
-    fix: str | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass
 class DoctorResult:
-    lines: list[Line] = field(default_factory=list)
+    lines: list[Check] = field(default_factory=list)
     # 2 when the input itself is bad (profile invalid, host not identifiable): the
     # remaining checks are not run at all.
     bad_input: bool = False
@@ -73,13 +60,20 @@ class DoctorResult:
     os_name: str | None = None
     elapsed_s: float = 0.0
 
-    def add(self, *args: Any, **kw: Any) -> Line:
-        line = Line(*args, **kw)
+    def add(
+        self,
+        check: str,
+        verdict: Verdict | str,
+        value: Any = None,
+        detail: str = "",
+        fix: str | None = None,
+    ) -> Check:
+        line = Check(check, Verdict(verdict), value, detail=detail, fix=fix)
         self.lines.append(line)
         return line
 
-    def get(self, check: str) -> Line | None:
-        return next((ln for ln in self.lines if ln.check == check), None)
+    def get(self, check: str) -> Check | None:
+        return next((ln for ln in self.lines if ln.name == check), None)
 
     @property
     def exit_code(self) -> int:
@@ -88,13 +82,17 @@ class DoctorResult:
         return 1 if any(ln.verdict == "FAIL" for ln in self.lines) else 0
 
     def as_json(self) -> list[dict[str, Any]]:
-        return [ln.as_dict() for ln in self.lines]
-
-
-def _speed(mbps: int) -> str:
-    from linkctl.probe.nic import _speed as fmt
-
-    return fmt(mbps)
+        """Doctor's documented line shape: check, verdict, value, detail, fix."""
+        return [
+            {
+                "check": ln.name,
+                "verdict": ln.verdict.value,
+                "value": ln.value,
+                "detail": ln.detail,
+                "fix": ln.fix,
+            }
+            for ln in self.lines
+        ]
 
 
 # ---- 1-2: profile and host ---------------------------------------------------------------
@@ -116,7 +114,7 @@ def check_profile(res: DoctorResult, profile_arg: str | None) -> Profile | None:
         prof.name,
         f"{prof.name} ({path}): {len(prof.hosts)} hosts, "
         f"link {prof.link.subnet} MTU {prof.link.mtu}, "
-        f"expects {_speed(prof.link.expected_speed_mbps)}",
+        f"expects {speed_text(prof.link.expected_speed_mbps)}",
     )
     return prof
 
@@ -175,92 +173,8 @@ def check_link(
             res.add(name, "SKIP", None, f"{ifname} does not exist")
         _default_route_line(res, host, backend.default_route())
         return None
-    facts = st.facts
-    drift = {d.field: d for d in st.drift}
-
-    if not facts.up:
-        res.add("interface", "FAIL", "down", f"{ifname} is administratively down", SETUP_FIX)
-    elif not facts.carrier:
-        res.add(
-            "interface",
-            "FAIL",
-            "no carrier",
-            f"{ifname} is up but has no carrier (cable unplugged or the peer's port down)",
-            "check the cable, and run `linkctl setup` on the peer",
-        )
-    else:
-        res.add("interface", "PASS", "up", f"{ifname} up, carrier, MAC {facts.mac}")
-
-    link = prof.link
-    want = link.expected_speed_mbps
-    if not facts.carrier:
-        res.add("speed", "SKIP", None, "no carrier: no negotiated speed")
-        res.add("duplex", "SKIP", None, "no carrier: no negotiated duplex")
-    else:
-        if facts.speed_mbps is None:
-            res.add(
-                "speed",
-                "WARN",
-                None,
-                f"the OS does not report {ifname}'s speed (profile expects {_speed(want)})",
-                "measure it instead: `linkctl probe`",
-            )
-        elif "speed_mbps" in drift:
-            res.add(
-                "speed",
-                "WARN",
-                facts.speed_mbps,
-                f"{ifname} negotiated {_speed(facts.speed_mbps)}, profile expects {_speed(want)}",
-                "check the cable (CAT6A for 10GBASE-T) and both ports' autonegotiation",
-            )
-        else:
-            got = f"{_speed(facts.speed_mbps)} (want {_speed(want)})"
-            res.add("speed", "PASS", facts.speed_mbps, got)
-        if facts.duplex == "half":
-            res.add(
-                "duplex",
-                "FAIL",
-                "half",
-                f"{ifname} is at half duplex: autonegotiation failed",
-                "check the cable and set both ports to autonegotiate",
-            )
-        elif facts.duplex is None:
-            res.add("duplex", "SKIP", None, "the OS does not report duplex")
-        else:
-            res.add("duplex", "PASS", facts.duplex)
-
-    have = list(facts.addresses)
-    if "address" in drift:
-        res.add(
-            "address",
-            "FAIL",
-            have,
-            f"{ifname} lacks {host.address} (has: {', '.join(have) or 'no IPv4 address'})",
-            SETUP_FIX,
-        )
-    elif "other_addresses" in drift:
-        extra = drift["other_addresses"].have
-        res.add(
-            "address",
-            "WARN",
-            have,
-            f"{ifname} has {host.address} and also {', '.join(extra)}",
-            f"remove the other addresses from {ifname} (another profile's setup? "
-            "`linkctl teardown --profile THAT`)",
-        )
-    else:
-        res.add("address", "PASS", str(host.address), f"on {ifname}")
-
-    if "mtu" in drift:
-        res.add(
-            "mtu",
-            "FAIL",
-            facts.mtu,
-            f"{ifname} MTU is {facts.mtu}, profile wants {link.mtu}",
-            SETUP_FIX,
-        )
-    else:
-        res.add("mtu", "PASS", facts.mtu, f"as profiled ({link.mtu})")
+    checks = nic_checks(st.facts, host, prof.link)
+    res.lines.extend(checks[n] for n in ("interface", "speed", "duplex", "address", "mtu"))
 
     _default_route_line(res, host, st.default_route)
     return st

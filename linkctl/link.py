@@ -18,6 +18,7 @@ from typing import Any
 
 from linkctl import arp
 from linkctl.backend import Backend
+from linkctl.checks import Verdict, nic_checks
 from linkctl.errors import ApplyError, CheckFailed, InputError
 from linkctl.netstate import Drift, LinkFacts, LinkStatus, Route
 from linkctl.paths import state_dir
@@ -394,23 +395,33 @@ def _still_needed(steps: list[Change], facts: LinkFacts) -> list[Change]:
 
 
 def status(profile: Profile, host: HostSpec, backend: Backend) -> LinkStatus:
+    """The link versus the profile. Drift comes from the NIC checks that probe and
+    doctor apply too (linkctl.checks), with each check's verdict as its severity."""
     facts = backend.link_facts(host.interface)
     default = backend.default_route()
     link = profile.link
+    checks = nic_checks(facts, host, link)
+    bad = {
+        n: c.verdict.value for n, c in checks.items() if c.verdict in (Verdict.WARN, Verdict.FAIL)
+    }
     drift: list[Drift] = []
-    if not facts.up:
-        drift.append(Drift("up", True, False))
-    if not facts.carrier:
-        drift.append(Drift("carrier", True, False))
-    if facts.mtu != link.mtu:
-        drift.append(Drift("mtu", link.mtu, facts.mtu))
+    if "interface" in bad:
+        if not facts.up:
+            drift.append(Drift("up", True, False))
+        if not facts.carrier:
+            drift.append(Drift("carrier", True, False))
+    if "mtu" in bad:
+        drift.append(Drift("mtu", link.mtu, facts.mtu, bad["mtu"]))
     if not facts.has_address(str(host.address)):
         drift.append(Drift("address", str(host.address), list(facts.addresses)))
+    # Shown beside a missing address too: the address check reports the worse of the two.
     extra = [a for a in facts.addresses if a != str(host.address)]
     if extra:
         drift.append(Drift("other_addresses", [], extra, "WARN"))
-    if facts.carrier and facts.speed_mbps and facts.speed_mbps < link.expected_speed_mbps:
-        drift.append(Drift("speed_mbps", link.expected_speed_mbps, facts.speed_mbps, "WARN"))
+    if "speed" in bad:
+        drift.append(Drift("speed_mbps", link.expected_speed_mbps, facts.speed_mbps, bad["speed"]))
+    if "duplex" in bad:
+        drift.append(Drift("duplex", "full", facts.duplex, bad["duplex"]))
     if default and default.ifname == host.interface:
         drift.append(Drift("default_route", "not via the link", default.ifname))
     return LinkStatus(profile.name, host.name, backend.os_name, facts, default, drift)

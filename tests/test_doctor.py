@@ -17,6 +17,7 @@ from conftest import PROFILES, linkctl, ns_snapshot
 from llama_util import need_llama, start_fake, stop
 
 from linkctl import doctor
+from linkctl.checks import Check
 from linkctl.probe import report as probe_report
 from linkctl.profile import load_profile
 
@@ -320,7 +321,7 @@ def test_macos_backend_configured_mac(isolated, tmp_path):
         service_root=tmp_path,
         hello=_hello_refused(calls),
     )
-    by = {ln.check: ln for ln in res.lines}
+    by = {ln.name: ln for ln in res.lines}
     want = ("profile", "host", *NET, "peer dgx")
     assert {n: by[n].verdict for n in want} == dict.fromkeys(want, "PASS"), res.as_json()
     assert (by["speed"].value, by["duplex"].value, by["mtu"].value) == (10000, "full", 9000)
@@ -339,7 +340,7 @@ def test_macos_backend_before_setup_and_at_1g(isolated, tmp_path):
     calls: list = []
     hello = _hello_refused(calls)
     res = doctor.run("dgx-mac", "mac", backend=backend(runner), service_root=tmp_path, hello=hello)
-    by = {ln.check: ln for ln in res.lines}
+    by = {ln.name: ln for ln in res.lines}
     assert (by["address"].verdict, by["address"].fix) == ("FAIL", "linkctl setup")
     assert (by["mtu"].verdict, by["mtu"].value) == ("FAIL", 1500)
     assert by["peer dgx"].verdict == "SKIP" and isolated == [] and calls == []
@@ -349,7 +350,7 @@ def test_macos_backend_before_setup_and_at_1g(isolated, tmp_path):
     slow.answers.update(CONFIGURED)
     slow.answers[argv("ifconfig en0")] = out("ifconfig-en0-linkctl-1000baseT-constructed.txt")
     res = doctor.run("dgx-mac", "mac", backend=backend(slow), service_root=tmp_path, hello=hello)
-    speed = next(ln for ln in res.lines if ln.check == "speed")
+    speed = next(ln for ln in res.lines if ln.name == "speed")
     assert (speed.verdict, speed.value) == ("WARN", 1000)
     assert "1 Gbit/s" in speed.detail and "10 Gbit/s" in speed.detail and "cable" in speed.fix
     assert slow.changes() == []
@@ -381,7 +382,7 @@ def test_probe_report_line(isolated, me):
     peer = prof.host("dgx" if me == "mac" else "mac")
     now = time.time()
 
-    def line(at: float) -> doctor.Line:
+    def line(at: float) -> Check:
         res = doctor.DoctorResult()
         doctor.check_probe_report(res, prof, host, now=at)
         [ln] = res.lines
@@ -404,7 +405,7 @@ def test_services_line(isolated, tmp_path):
     prof = load_profile("dgx-mac")[0]
     dgx, mac = prof.host("dgx"), prof.host("mac")
 
-    def line(host) -> doctor.Line:
+    def line(host) -> Check:
         res = doctor.DoctorResult()
         doctor.check_services(res, prof, host, "dgx-mac", root)
         [ln] = res.lines
@@ -433,7 +434,7 @@ def test_llama_lines_without_binaries(isolated, tmp_path, monkeypatch):
     res = doctor.DoctorResult()
     doctor.check_llama(res, prof, prof.host("dgx"), {}, 1.0)
     doctor.check_llama(res, prof, prof.host("mac"), {"dgx": True}, 1.0)
-    got = [(ln.check, ln.verdict) for ln in res.lines]
+    got = [(ln.name, ln.verdict) for ln in res.lines]
     assert got == [
         ("llama binaries", "FAIL"),
         ("rpc protocol", "SKIP"),

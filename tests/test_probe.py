@@ -130,14 +130,18 @@ def _facts(**kw) -> LinkFacts:
     return LinkFacts(**base)
 
 
-def test_nic_link_negotiated_at_1g_fails_with_reason():
+def test_nic_link_negotiated_at_1g_warns_with_reason():
+    # One rule for status, probe and doctor (linkctl.checks): a slow negotiation is a
+    # WARN naming the cause; the probe FAILs on the throughput it then measures.
     prof, _ = load_profile("dgx-mac")
     r = ProbeReport(prof.name, "mac", "dgx", "192.168.100.2")
     assert check_nic(r, prof, prof.host("mac"), _FactsBackend(_facts(speed_mbps=1000)))
     speed = next(c for c in r.checks if c.name == "speed")
-    assert speed.verdict == "FAIL"
+    assert speed.verdict == "WARN"
     assert "negotiated at 1 Gbit/s instead of 10 Gbit/s" in speed.detail
-    assert r.exit_code == 1
+    assert "cable" in speed.fix
+    assert prof.probe.min_throughput_gbps > 1  # what a 1 Gbit/s link then fails
+    assert r.exit_code == 0 and not r.stopped
 
 
 def test_nic_no_carrier_stops():

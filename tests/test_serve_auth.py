@@ -154,7 +154,7 @@ def test_doctor_reports_which(tmp_path, serve, verdict, value):
     res = doctor.DoctorResult()
     doctor.check_serve_auth(res, prof, prof.head)
     (line,) = res.lines
-    assert (line.check, line.verdict, line.value) == ("serve auth", verdict, value)
+    assert (line.name, line.verdict, line.value) == ("serve auth", verdict, value)
     assert (line.fix is None) == (verdict == "PASS")
     res = doctor.DoctorResult()
     doctor.check_serve_auth(res, prof, prof.host("dgx"))

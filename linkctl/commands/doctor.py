@@ -14,9 +14,9 @@ from linkctl.output import console, print_json, verdict
 def _render(res) -> None:
     from rich.markup import escape
 
-    width = max((len(ln.check) for ln in res.lines), default=0)
+    width = max((len(ln.name) for ln in res.lines), default=0)
     for ln in res.lines:
-        text = f"{verdict(ln.verdict)}{' ' * (5 - len(ln.verdict))}{escape(ln.check.ljust(width))}"
+        text = f"{verdict(ln.verdict)}{' ' * (5 - len(ln.verdict))}{escape(ln.name.ljust(width))}"
         text += f"  {escape(ln.detail or str(ln.value or ''))}"
         if ln.fix and ln.verdict in ("FAIL", "WARN"):
             text += f"  [bold]fix:[/] {escape(ln.fix)}"

@@ -10,28 +10,14 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from linkctl.checks import Check
 from linkctl.errors import InputError
 from linkctl.paths import state_dir
-
-VERDICTS = ("PASS", "WARN", "FAIL", "SKIP")
-
-
-@dataclass
-class Check:
-    name: str
-    verdict: str  # PASS / WARN / FAIL / SKIP
-    value: Any = None
-    threshold: Any = None
-    detail: str = ""
-
-    def __post_init__(self) -> None:
-        if self.verdict not in VERDICTS:
-            raise ValueError(f"verdict {self.verdict!r} not one of {VERDICTS}")
 
 
 @dataclass
@@ -87,7 +73,7 @@ class ProbeReport:
             "exit_code": self.exit_code,
             "stopped": self.stopped or None,
             "elapsed_s": round(self.elapsed_s, 3),
-            "checks": [asdict(c) for c in self.checks],
+            "checks": [c.as_dict() for c in self.checks],
             "nic": self.nic,
             "arp": self.arp,
             "mtu": self.mtu,
