@@ -306,16 +306,19 @@ class ServeAuth:
         return asdict(self)
 
 
-def read_api_keys(path: str) -> list[str]:
+def read_api_keys(path: str, root: Path = Path("/")) -> list[str]:
     """The keys llama-server will load from ``path`` (--api-key-file), after checking the
     file is private. llama-server (common/arg.cpp, --api-key-file) reads it line by
     line, skips empty lines and lines starting with '#', and keeps the rest verbatim:
     a stray space or CR would become part of the key, and a file with no key line
-    starts the server with no authentication at all. Both are refused here."""
-    field = f"serve.api_key_file = {path!r}"
+    starts the server with no authentication at all. Both are refused here. ``root``:
+    the file as it is inside an image that `service install --root` writes."""
+    inside = "" if str(root) == "/" else f" in {root}"
+    field = f"serve.api_key_file = {path!r}{inside}"
     make = f"create it: (umask 077; openssl rand -hex 32 > {path})"
+    real = root / path.lstrip("/")
     try:
-        st = os.stat(path)
+        st = os.stat(real)
     except FileNotFoundError:
         raise InputError(f"{field}: no such file", make) from None
     except OSError as e:
@@ -331,7 +334,7 @@ def read_api_keys(path: str) -> list[str]:
             f"chmod 600 {path}",
         )
     try:
-        text = Path(path).read_bytes().decode()  # bytes: universal newlines would hide a CR
+        text = real.read_bytes().decode()  # bytes: universal newlines would hide a CR
     except (OSError, UnicodeDecodeError) as e:
         raise InputError(f"{field}: cannot read: {e}", "make it readable by this user") from None
     keys = []
@@ -354,9 +357,10 @@ def read_api_keys(path: str) -> list[str]:
     return keys
 
 
-def serve_auth(profile: Profile) -> ServeAuth:
+def serve_auth(profile: Profile, root: Path = Path("/")) -> ServeAuth:
     """How the head's llama-server is protected; InputError when it would listen beyond
-    loopback and the link with neither an API key file nor an explicit opt-out."""
+    loopback and the link with neither an API key file nor an explicit opt-out.
+    ``root``: where the key file is looked for (an image for `service install --root`)."""
     s = profile.serve
     if s.host.is_loopback:
         exposure = "loopback"
@@ -365,7 +369,7 @@ def serve_auth(profile: Profile) -> ServeAuth:
     else:
         exposure = "exposed"
     if s.api_key_file:
-        keys = read_api_keys(s.api_key_file)
+        keys = read_api_keys(s.api_key_file, root)
         return ServeAuth(exposure, "api-key", s.api_key_file, len(keys))
     if exposure != "exposed":
         return ServeAuth(exposure, "not-needed")

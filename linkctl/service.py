@@ -419,6 +419,9 @@ def check_paths(
             "the local RPC protocol version with the rpc hosts'"
         )
     if host.role == "head":
+        from linkctl.serve import serve_auth
+
+        serve_auth(profile, root)  # serve would refuse an open API at every boot
         model = profile.serve.model
         if not model:
             notes.append("serve.model is empty: linkctl serve will refuse until it is set")
@@ -437,6 +440,13 @@ def check_paths(
         if host.role == "head" and model and in_root(root, model).exists():
             reach.append((profile.serve.model, stat.S_IROTH))
         blocked = [p for p, need in reach if not others_can_reach(root, p, need)]
+        if host.role == "head" and profile.serve.api_key_file and not blocked:
+            user = "root"
+            notes.append(
+                "serve and responder run as root without capabilities, not as a dedicated user: "
+                f"llama-server reads {profile.serve.api_key_file}, which only its owner may "
+                "read (or pass --serve-user, an account that owns it)"
+            )
         if blocked:
             user = "root"
             notes.append(

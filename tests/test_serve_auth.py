@@ -6,6 +6,7 @@ answers one with it."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -15,6 +16,7 @@ import tomli_w
 from conftest import PROFILES, linkctl
 from llama_util import need_llama
 from test_serve_lab import Serve
+from test_service import LINKCTL, LLAMA, make_target
 
 from linkctl import doctor
 from linkctl import serve as sv
@@ -225,3 +227,49 @@ def test_real_llama_server_refuses_without_the_key_and_answers_with_it(make_lab,
         assert got[refused][1]["error"]["type"] == "authentication_error"
     assert got["key"][0] == 200 and got["key"][1]["tokens_predicted"] == 4, got
     assert got["x-api-key"][0] == 200, got
+
+
+# ---- boot services ------------------------------------------------------------------------
+
+
+def _install(root: Path, prof: Path, host: str) -> subprocess.CompletedProcess:
+    return linkctl(
+        "service", "install", "--profile", str(prof), "--host", host, "--root", str(root),
+        "--linkctl-bin", LINKCTL, "--llama-bin-dir", LLAMA, "--json",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("head_os", ["macos", "linux"])
+def test_service_install_refuses_an_open_api_and_reads_the_key_in_the_root(tmp_path, head_os):
+    """The serve service would refuse at every boot: install refuses first (exit 2,
+    nothing written), and checks the key file where the target will have it."""
+    data = json.loads(json.dumps(BASE))
+    data["serve"]["host"] = "0.0.0.0"
+    for h in data["hosts"]:
+        if h["role"] == "head":
+            h["os"] = head_os
+    prof = tmp_path / "open.toml"
+    prof.write_text(tomli_w.dumps(data))
+    root = make_target(tmp_path / "root")
+    before = sorted(root.rglob("*"))
+    r = _install(root, prof, "mac")
+    assert r.returncode == 2 and "serve.api_key_file" in r.stderr, r.stderr
+    assert sorted(root.rglob("*")) == before
+    # A key file named in the profile is looked for inside the root, mode checked there.
+    data["serve"]["api_key_file"] = "/etc/linkctl/llama-api-keys"
+    prof.write_text(tomli_w.dumps(data))
+    r = _install(root, prof, "mac")
+    assert r.returncode == 2 and f"'/etc/linkctl/llama-api-keys' in {root}: no such" in r.stderr
+    keys = root / "etc/linkctl/llama-api-keys"
+    keys.parent.mkdir(parents=True)
+    keys.write_text(KEY + "\n")
+    keys.chmod(0o644)
+    r = _install(root, prof, "mac")
+    assert r.returncode == 2 and "mode 0644" in r.stderr
+    keys.chmod(0o600)
+    r = _install(root, prof, "mac")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    if head_os == "linux":  # DynamicUser could not read a 0600 file
+        assert res["serve_user"] == "root"
+        assert any("llama-server reads /etc/linkctl/llama-api-keys" in n for n in res["notes"])
