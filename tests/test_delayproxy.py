@@ -136,3 +136,96 @@ def test_delay_order_and_turns_between_namespaces(make_lab, tmp_path):
     assert min(slow) >= 4000
     med = sorted(slow)[len(slow) // 2] - sorted(fast)[len(fast) // 2]
     assert 3800 < med < 6000, med
+
+
+# ---- fault injection ------------------------------------------------------------------
+
+
+def _msg(cmd: int, payload: bytes) -> bytes:
+    return struct.pack("<BQ", cmd, len(payload)) + payload
+
+
+def _set_tensor(data: bytes) -> bytes:
+    # | rpc_tensor (296) | cache_flag | offset u64 | data |, header bytes all 0xAB
+    from linkctl.delayproxy import SET_TENSOR_HEADER
+
+    return _msg(6, b"\xab" * SET_TENSOR_HEADER + data)
+
+
+def _feed_all(parser, stream: bytes, step: int) -> bytes:
+    return b"".join(parser.feed(stream[i : i + step]) for i in range(0, len(stream), step))
+
+
+def _diff_bits(a: bytes, b: bytes) -> list[int]:
+    return [
+        i * 8 + k
+        for i, (x, y) in enumerate(zip(a, b, strict=True))
+        for k in range(8)
+        if (x ^ y) >> k & 1
+    ]
+
+
+def test_corruption_flips_only_tensor_data_at_the_rate_and_chunking_does_not_matter():
+    from linkctl.delayproxy import SET_TENSOR_HEADER, Corruption
+
+    data = bytes(200_000)
+    stream = _msg(14, bytes(24)) + _set_tensor(data) + _msg(10, b"\xcd" * 500) + _set_tensor(data)
+    outs = {}
+    for step in (1_000_003, 4096, 997):
+        c = Corruption("set_tensor", 1e-4, seed=7)
+        out = _feed_all(_RpcParser(c), stream, step)
+        outs[step] = out
+        assert len(out) == len(stream)
+        flipped = _diff_bits(stream, out)
+        assert c.bits == len(flipped) and c.messages == 2
+        assert c.payload_bytes == 2 * len(data)
+        # Every flip is in a SET_TENSOR's data: never framing, tensor header, other commands.
+        first = 9 + 24 + 9 + SET_TENSOR_HEADER
+        second = first + len(data) + 9 + 500 + 9 + SET_TENSOR_HEADER
+        for b in flipped:
+            assert (
+                first * 8 <= b < (first + len(data)) * 8
+                or second * 8 <= b < (second + len(data)) * 8
+            )
+        # 3.2 M bits at 1e-4: 320 expected; 5 sigma either way
+        assert 230 < c.bits < 410, c.bits
+    assert outs[1_000_003] == outs[4096] == outs[997]  # same seed, same flips, any chunking
+
+
+def test_weights_target_stops_at_the_first_graph_compute():
+    from linkctl.delayproxy import Corruption
+
+    data = bytes(50_000)
+    stream = _set_tensor(data) + _msg(10, bytes(100)) + _set_tensor(data)
+    c = Corruption("weights", 1e-3, seed=1)
+    out = _RpcParser(c).feed(stream)
+    flipped = _diff_bits(stream, out)
+    assert flipped and c.messages == 1
+    assert max(flipped) < len(_set_tensor(data)) * 8
+
+
+def test_get_tensor_results_are_corrupted_and_other_responses_are_not():
+    from linkctl.delayproxy import Corruption, _ResponseParser
+
+    owed = collections.deque()
+    c = Corruption("get_tensor", 1e-2, seed=3)
+    req = _RpcParser(c, owed)
+    # HELLO (answered), SET_TENSOR (not answered), GET_DEVICE_MEMORY, GET_TENSOR: answered
+    up = _msg(14, bytes(24)) + _set_tensor(bytes(64)) + _msg(11, bytes(4)) + _msg(8, bytes(312))
+    assert req.feed(up) == up  # requests are left alone for this target
+    assert list(owed) == [14, 11, 8]
+    hello = struct.pack("<Q", 28) + bytes(28)
+    mem = struct.pack("<Q", 16) + bytes(16)
+    tensor = struct.pack("<Q", 4096) + bytes(4096)
+    down = hello + mem + tensor
+    out = _feed_all(_ResponseParser(c, owed), down, 100)
+    flipped = _diff_bits(down, out)
+    start = (len(hello) + len(mem) + 8) * 8
+    assert flipped and all(b >= start for b in flipped), flipped[:5]
+    assert not owed
+
+
+def test_cli_bad_corruption_rate_exit_2(capsys):
+    args = ["--listen", "198.18.100.2:1", "--target", "198.18.100.2:2", "--corrupt", "get_tensor"]
+    assert main([*args, "--corrupt-rate", "0"]) == 2
+    assert "--corrupt-rate 0: must be in (0, 1]" in capsys.readouterr().err
