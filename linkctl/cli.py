@@ -21,7 +21,18 @@ os.environ.setdefault("TYPER_USE_RICH", "0")
 import typer
 
 from linkctl import __version__
-from linkctl.commands import doctor, estimate, lab, link, llama, probe, route, serve, service
+from linkctl.commands import (
+    doctor,
+    estimate,
+    lab,
+    link,
+    llama,
+    probe,
+    route,
+    serve,
+    service,
+    verify,
+)
 from linkctl.errors import LinkctlError
 
 app = typer.Typer(
@@ -31,13 +42,14 @@ app = typer.Typer(
     "  linkctl setup --profile dgx-mac   configure this host's end of the link\n"
     "  linkctl probe                     verify and measure the link\n"
     "  linkctl estimate --model m.gguf   predict decode/prefill tokens/s\n"
+    "  linkctl verify                    the split computes what one machine computes\n"
     "  linkctl serve                     launch rpc-server / llama-server\n"
     "  linkctl lab demo                  the whole path in namespaces, one command",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-for module in (link, lab, probe, serve, route, estimate, service, doctor, llama):
+for module in (link, lab, probe, serve, route, estimate, service, doctor, llama, verify):
     module.register(app)
 
 

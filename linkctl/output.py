@@ -44,3 +44,16 @@ def error_line(message: str) -> None:
 
 def warn_line(message: str) -> None:
     err_console.print(f"[yellow]linkctl: warning:[/] {message}", markup=True, soft_wrap=True)
+
+
+def verdict_lines(rows: list[tuple[str, str, str, str | None]]) -> None:
+    """One line per check: VERDICT  check  detail  fix: ... (fix shown for FAIL/WARN).
+    Rows are (verdict, check, detail, fix)."""
+    from rich.markup import escape
+
+    width = max((len(r[1]) for r in rows), default=0)
+    for v, check, detail, fix in rows:
+        text = f"{verdict(v)}{' ' * (5 - len(v))}{escape(check.ljust(width))}  {escape(detail)}"
+        if fix and v in ("FAIL", "WARN"):
+            text += f"  [bold]fix:[/] {escape(fix)}"
+        console.print(text)

@@ -8,19 +8,13 @@ from typing import Annotated
 import typer
 
 from linkctl.commands.common import HostOpt, JsonOpt, ProfileOpt
-from linkctl.output import console, print_json, verdict
+from linkctl.output import console, print_json, verdict_lines
 
 
 def _render(res) -> None:
-    from rich.markup import escape
-
-    width = max((len(ln.name) for ln in res.lines), default=0)
-    for ln in res.lines:
-        text = f"{verdict(ln.verdict)}{' ' * (5 - len(ln.verdict))}{escape(ln.name.ljust(width))}"
-        text += f"  {escape(ln.detail or str(ln.value or ''))}"
-        if ln.fix and ln.verdict in ("FAIL", "WARN"):
-            text += f"  [bold]fix:[/] {escape(ln.fix)}"
-        console.print(text)
+    verdict_lines(
+        [(str(ln.verdict), ln.name, ln.detail or str(ln.value or ""), ln.fix) for ln in res.lines]
+    )
     if res.bad_input:
         return
     counts = {v: sum(ln.verdict == v for ln in res.lines) for v in ("FAIL", "WARN", "PASS", "SKIP")}

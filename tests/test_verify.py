@@ -1,0 +1,154 @@
+"""linkctl verify: the comparison and placement logic, then the real llama.cpp pair in the
+lab (rpc-server in dgx's namespace, llama-server on the head): a clean split passes, a
+split whose weights or activations are corrupted in transit fails, and a profile in
+which the model does not fit the head compares against another split."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from linkctl.verify import (
+    TOLERANCES,
+    Device,
+    Step,
+    another_split,
+    compare,
+    model_buffers,
+    parse_list_devices,
+    parse_probs,
+    position_diff,
+)
+
+SAME, MIXED = TOLERANCES["same"], TOLERANCES["mixed"]
+
+
+def steps(tokens, shift=0.0, n=24):
+    """A greedy run: token t chosen with logprob -0.5, runners-up below it."""
+    out = []
+    for i in range(n):
+        t = tokens[i] if i < len(tokens) else 7
+        top = {t: -0.5 + shift, 100 + i: -1.5 + shift, 200 + i: -2.0}
+        out.append(Step(t, -0.5 + shift, top, chr(65 + t % 26)))
+    return out
+
+
+def test_identical_runs_pass_at_zero():
+    ref = steps(list(range(24)))
+    r = compare("p", ref, steps(list(range(24))), SAME)
+    assert r.verdict == "PASS" and r.max_logprob_diff == 0 and r.first_divergence is None
+    assert r.agreed == r.compared == 24
+
+
+def test_same_backends_fail_on_small_logprob_noise_that_mixed_backends_accept():
+    ref, got = steps(list(range(24))), steps(list(range(24)), shift=0.03)
+    assert compare("p", ref, got, SAME).verdict == "FAIL"
+    r = compare("p", ref, got, MIXED)
+    assert r.verdict == "WARN" and math.isclose(r.max_logprob_diff, 0.03, abs_tol=1e-9)
+    assert compare("p", ref, steps(list(range(24)), shift=0.005), MIXED).verdict == "PASS"
+    assert compare("p", ref, steps(list(range(24)), shift=0.2), MIXED).verdict == "FAIL"
+
+
+def test_token_divergence_early_fails_late_only_warns_for_mixed():
+    ref = steps(list(range(24)))
+    early = compare("p", ref, steps([*range(3), 99, *range(4, 24)]), MIXED)
+    assert early.verdict == "FAIL" and early.first_divergence == 3 and early.compared == 4
+    assert "reference token 3" in early.detail and "split token 99" in early.detail
+    # A near tie at position 20 the two backends break differently.
+    ref[20] = Step(20, -0.70, {20: -0.70, 120: -0.71, 220: -2.0})
+    got = steps(list(range(24)))
+    got[20] = Step(120, -0.70, {120: -0.70, 20: -0.705, 220: -2.0})
+    late = compare("p", ref, got, MIXED)
+    assert late.verdict == "WARN" and late.first_divergence == 20, late.detail
+    assert compare("p", ref, got, SAME).verdict == "FAIL"
+    # A late divergence far outside the noise bound is still a FAIL.
+    assert compare("p", ref, steps([*range(20), 99, *range(21, 24)]), MIXED).verdict == "FAIL"
+
+
+def test_non_finite_and_short_runs_fail():
+    ref = steps(list(range(24)))
+    got = steps(list(range(24)))
+    got[5] = Step(5, math.nan, {5: math.nan})
+    r = compare("p", ref, got, MIXED)
+    assert (
+        r.verdict == "FAIL" and "non-finite" in r.detail and r.as_dict()["max_logprob_diff"] is None
+    )
+    assert compare("p", ref, steps(list(range(10)), n=10), MIXED).verdict == "FAIL"
+
+
+def test_position_diff_bounds_tokens_missing_from_the_other_top_k():
+    a = Step(1, -0.1, {1: -0.1, 2: -1.0, 3: -2.0})
+    b = Step(1, -0.1, {1: -0.1, 2: -1.0, 4: -1.2})  # token 3 fell out, 4 came in
+    # 4 is at -1.2 in b and at most -2.0 (a's floor) in a: at least 0.8 apart
+    assert math.isclose(position_diff(a, b), 0.8)
+    assert position_diff(a, a) == 0
+
+
+def test_parse_probs_reads_llama_server_shape_and_nulls():
+    body = {
+        "content": "ab",
+        "completion_probabilities": [
+            {
+                "id": 68,
+                "token": "a",
+                "bytes": [97],
+                "logprob": -0.25,
+                "top_logprobs": [{"id": 68, "token": "a", "bytes": [97], "logprob": -0.25}],
+            },
+            {"id": 69, "token": "b", "logprob": None, "top_logprobs": []},
+        ],
+    }
+    s = parse_probs(body)
+    assert s[0].token == 68 and s[0].top == {68: -0.25} and s[0].text == "a"
+    assert math.isnan(s[1].logprob)
+    from linkctl.errors import CheckFailed
+
+    with pytest.raises(CheckFailed, match="without completion_probabilities"):
+        parse_probs({"content": "x"})
+
+
+def test_list_devices_and_model_buffers_parsing():
+    text = (
+        "Available devices:\n  RPC0: 198.18.100.2:50052 (23975 MiB, 20000 MiB free)\n"
+        "  Metal: Apple M2 Ultra (196608 MiB, 180000 MiB free)\n"
+    )
+    d = parse_list_devices(text)
+    assert [x.name for x in d] == ["RPC0", "Metal"] and d[1].free_mib == 180000
+    log = (
+        "load_tensors:   CPU_Mapped model buffer size =     0.13 MiB\n"
+        "load_tensors: RPC0[198.18.100.2:50052] model buffer size =     4.85 MiB\n"
+    )
+    assert model_buffers(log) == {"CPU_Mapped": 0.13, "RPC0[198.18.100.2:50052]": 4.85}
+
+
+def test_another_split_moves_layers_and_says_where():
+    base = ["llama-server", "-m", "m.gguf", "--rpc", "h:1", "-ngl", "99"]
+    # One split device (CPU-only head): the boundary moves by -ngl.
+    argv, ref, split = another_split(base, 6, [Device("RPC0", "h:1", 1000)])
+    assert argv[-2:] == ["-ngl", "4"]
+    assert split == "slots 0-6 on RPC0 (slot 6 = output layer)"
+    assert ref == "slots 0-2 on head CPU, slots 3-6 on RPC0 (slot 6 = output layer)"
+    # Two split devices: a different -ts.
+    devs = [Device("RPC0", "h:1", 1000), Device("Metal", "M2", 1000)]
+    argv, ref, split = another_split(base, 6, devs)
+    assert argv[-2] == "-ts" and ref != split
+    from linkctl.errors import InputError
+
+    with pytest.raises(InputError, match="no layer on a split device"):
+        another_split([*base, "-ngl", "0"], 6, devs)
+
+
+def test_bad_input_exits_2_and_writes_nothing(tmp_path):
+    import os
+
+    from conftest import linkctl
+
+    env = dict(os.environ, LINKCTL_STATE_DIR=str(tmp_path / "state"))
+    r = linkctl("verify", "--host", "mac", "--reference", "nope", "--dry-run", env=env)
+    assert r.returncode == 2 and "--reference 'nope'" in r.stderr, r.stderr
+    r = linkctl("verify", "--host", "dgx", env=env)
+    assert r.returncode == 2 and "verify runs on the head (mac)" in r.stderr, r.stderr
+    r = linkctl("verify", "--host", "mac", "--model", str(tmp_path / "no.gguf"), env=env)
+    assert r.returncode == 2 and "no such file" in r.stderr, r.stderr
+    assert not (tmp_path / "state").exists() or not any((tmp_path / "state").rglob("*.gguf"))
