@@ -4,11 +4,12 @@ lab up -> `setup` on every host -> (tbf shaping) -> `responder` on every rpc
 host -> `probe` from the head to each rpc host -> a tiny GGUF -> `calibrate`
 (rpc hosts behind loopback RPC, the head alone) -> `serve` on the rpc hosts
 -> (delay proxies) -> `doctor` on the head -> the RPC round trip -> `estimate`
-on the head -> `serve` on the head -> timed completions -> `teardown` -> one report. Every step runs
-the real `linkctl` command inside the host's namespace, as a user runs it on
-the real host; the demo only sequences them and reads their JSON. Whatever
-happens (failure, Ctrl-C, SIGTERM) the lab's processes, namespaces and files
-are removed; the report and the step logs stay in the state directory.
+on the head -> `verify` on the head -> `serve` on the head -> timed completions
+-> `teardown` -> one report. Every step runs the real `linkctl` command inside
+the host's namespace, as a user runs it on the real host; the demo only
+sequences them and reads their JSON. Whatever happens (failure, Ctrl-C,
+SIGTERM) the lab's processes, namespaces and files are removed; the report
+and the step logs stay in the state directory.
 """
 
 from __future__ import annotations
@@ -413,6 +414,36 @@ class Demo:
                 f"split {est['split']['decode_tok_s']:.1f} tok/s predicted; "
                 f"recommendation: {est['recommendation']}"
             )
+        with self.step(f"verify on {head}: the split against a reference placement") as s:
+            argv, env = self._argv(
+                head,
+                [
+                    "linkctl",
+                    "verify",
+                    "--profile",
+                    str(head_prof_path),
+                    "--model",
+                    str(model_path),
+                    "--json",
+                ],
+            )
+            r = self.runner.run(argv, timeout=900, check=False, env=env)
+            log = self.out_dir / "logs" / f"{head}-verify.log"
+            log.write_text(r.stdout + r.stderr)
+            v = json.loads(r.stdout) if r.stdout.strip().startswith("{") else {}
+            self.report["verify"] = {
+                "exit_code": r.returncode,
+                "verdict": v.get("verdict"),
+                "summary": v.get("summary"),
+                "elapsed_s": v.get("elapsed_s"),
+            }
+            last = (r.stderr.strip() or "no output").splitlines()[-1]
+            s["result"] = v.get("summary") or last
+            if r.returncode != 0:
+                raise CheckFailed(
+                    f"verify on {head} exited {r.returncode}: {v.get('summary') or last}",
+                    f"see {log}",
+                )
         with self.step(f"serve on {head}: llama-server --rpc over the link"):
             bg = self.start(
                 head,

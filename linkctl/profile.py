@@ -142,6 +142,8 @@ class ServeSpec(_Strict):
     # weights "W,W,..." in llama.cpp device order (RPC hosts in --rpc order, then the
     # head's GPU).
     split: str = "recommended"
+    # The head runs `linkctl verify` on serve.model before llama-server; a FAIL refuses to serve.
+    verify: bool = False
     # llama-server's API has no authentication unless given keys. Off loopback and off
     # the link (e.g. 0.0.0.0, the Mac's Wi-Fi LAN) serve needs one of these
     # (linkctl.serve.serve_auth): a file of keys for --api-key-file (mode 0600),

@@ -218,6 +218,8 @@ def render_demo(r: dict) -> None:
         f"(local only predicted {p['local_decode_tok_s']:.1f} tok/s)",
         markup=False,
     )
+    if r.get("verify"):
+        out(f"  verify  {r['verify']['summary']}", markup=False)
     left = r.get("left_behind") or []
     out(
         f"  cleanup {'nothing left behind' if not left else 'LEFT BEHIND: ' + ', '.join(left)}; "

@@ -39,6 +39,27 @@ def write_tiny(
         )
 
 
+def verify_gate(prof, bins, model: str | None, wait: float, choice=None) -> None:
+    """`linkctl verify` on the served model and split before llama-server starts; a FAIL
+    stops here."""
+    from linkctl import rpc
+    from linkctl.commands.verify import say
+    from linkctl.errors import CheckFailed
+    from linkctl.verify import VerifyOptions, verify
+
+    for h in prof.rpc_hosts:  # the rpc hosts may still be starting, as run_head allows
+        rpc.wait_ready(h.rpc_bind, h.rpc.port, wait)
+    rep = verify(prof, VerifyOptions(model=model, split=choice), bins, say=say)
+    for ln in rep.lines:
+        say(f"{ln['verdict']} {ln['check']}: {ln['detail']}")
+    say(rep.summary())
+    if rep.exit_code:
+        raise CheckFailed(
+            f"verify failed, not serving: {rep.summary()}",
+            "see the lines above; run `linkctl verify --model MODEL` to reproduce",
+        )
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(model_app, name="model")
 
@@ -82,6 +103,14 @@ def register(app: typer.Typer) -> None:
                 show_default=False,
             ),
         ] = None,
+        verify: Annotated[
+            bool,
+            typer.Option(
+                "--verify",
+                help="Head: run `linkctl verify` on the model first; a FAIL refuses to serve "
+                "(also serve.verify = true in the profile).",
+            ),
+        ] = False,
         dry_run: DryRunOpt = False,
         json_: JsonOpt = False,
     ) -> None:
@@ -91,10 +120,13 @@ def register(app: typer.Typer) -> None:
         answers. Head: gate on the probe report, HELLO every rpc endpoint and compare
         RPC protocol versions, then llama-server --rpc ... -ts <split>, ready when /health
         answers. Both restart their server with backoff and forward SIGTERM/SIGINT.
+        With --verify (or serve.verify = true) the head first proves with
+        `linkctl verify` that the split computes what one machine computes.
 
         Examples:
           linkctl serve --dry-run
           linkctl serve --host mac --split llama
+          linkctl serve --host mac --verify
           linkctl serve --host mac --split 40,41 --dry-run --json
           linkctl serve --profile dgx-mac --host dgx
           linkctl serve --host mac --model /models/m.gguf
@@ -152,6 +184,8 @@ def register(app: typer.Typer) -> None:
         plan = sv.build_plan(prof, h, bins, model, choice)
         if json_:
             print_json(plan.as_dict())
+        if verify or prof.serve.verify:
+            verify_gate(prof, bins, plan.model, wait, choice)
         raise typer.Exit(sv.run_head(plan, prof, bins, wait_s=wait, split=choice))
 
 
