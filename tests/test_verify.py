@@ -5,7 +5,13 @@ which the model does not fit the head compares against another split."""
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -152,3 +158,168 @@ def test_bad_input_exits_2_and_writes_nothing(tmp_path):
     r = linkctl("verify", "--host", "mac", "--model", str(tmp_path / "no.gguf"), env=env)
     assert r.returncode == 2 and "no such file" in r.stderr, r.stderr
     assert not (tmp_path / "state").exists() or not any((tmp_path / "state").rglob("*.gguf"))
+
+
+# ---- the real pair in the lab ----------------------------------------------------------
+
+PROXY_PORT = 50053
+
+
+def _proxy(lab, ip: str, stats: Path, *corrupt: str) -> subprocess.Popen:
+    """The delay proxy (no delay) in dgx's namespace, in front of its rpc-server."""
+    p = subprocess.Popen(
+        [
+            "ip",
+            "netns",
+            "exec",
+            lab.netns("dgx"),
+            sys.executable,
+            "-m",
+            "linkctl.delayproxy",
+            "--listen",
+            f"{ip}:{PROXY_PORT}",
+            "--target",
+            f"{ip}:50052",
+            "--stats-file",
+            str(stats),
+            *corrupt,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    with_ns = ["ip", "netns", "exec", lab.netns("mac")]
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # listening, seen from the head
+        r = subprocess.run(
+            [*with_ns, sys.executable, "-c", _PORT_OPEN, ip, str(PROXY_PORT)],
+            capture_output=True,
+        )
+        if r.returncode == 0:
+            return p
+        time.sleep(0.2)
+    p.kill()
+    raise AssertionError(f"proxy not listening: {p.stderr.read() if p.stderr else ''}")
+
+
+_PORT_OPEN = (
+    "import socket, sys; s = socket.socket(); s.settimeout(0.5); "
+    "sys.exit(s.connect_ex((sys.argv[1], int(sys.argv[2]))))"
+)
+
+
+def _stop(p: subprocess.Popen) -> dict:
+    p.terminate()
+    out, _ = p.communicate(timeout=15)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _verify(lab, *args: str) -> tuple[int, dict, str]:
+    t0 = time.monotonic()
+    r = lab.run("mac", "verify", "--json", *args, timeout=600)
+    wall = time.monotonic() - t0
+    assert r.stdout.strip().startswith("{"), r.stdout[-2000:] + r.stderr[-3000:]
+    rep = json.loads(r.stdout)
+    print(
+        f"\nVERIFY {' '.join(args) or '(default)'}: exit {r.returncode}, {wall:.1f} s wall: "
+        f"{rep['summary']}"
+    )
+    return r.returncode, rep, r.stderr
+
+
+def _profile(lab, tmp_path: Path, name: str, port: int | None = None, head_gb=None) -> str:
+    import tomli_w
+
+    data = tomllib.loads(Path(lab.profile_path).read_text())
+    for h in data["hosts"]:
+        if h["role"] == "rpc" and port:
+            h.setdefault("rpc", {})["port"] = port
+        if h["role"] == "head" and head_gb:
+            h["memory_gb"] = head_gb
+    path = tmp_path / f"{name}.toml"
+    path.write_text(tomli_w.dumps(data))
+    return str(path)
+
+
+@pytest.mark.netns
+@pytest.mark.llama
+def test_verify_lab_pair_clean_corrupted_and_split_reference(make_lab, tmp_path):
+    from llama_util import need_llama
+    from test_serve_lab import Serve
+
+    need_llama()
+    lab = make_lab("dgx-mac")
+    for h in ("dgx", "mac"):
+        r = lab.run(h, "setup")
+        assert r.returncode == 0, r.stderr
+    ip = lab.host("dgx")["address"].split("/")[0]
+    rpc_srv = Serve(lab, "dgx", "rpc", [], tmp_path / "dgx.log")
+    try:
+        rpc_srv.wait(lambda s: s["state"] == "ready", 60, "rpc-server ready")
+
+        # Dry run: the plan, nothing started or contacted.
+        r = lab.run("mac", "verify", "--dry-run")
+        assert r.returncode == 0 and "reference  head alone" in r.stdout, r.stdout + r.stderr
+
+        # 1. Clean split, the head alone as reference: identical CPU backends agree exactly.
+        code, rep, err = _verify(lab, "--backends", "same")
+        assert code == 0 and rep["verdict"] == "PASS", rep["lines"]
+        assert rep["reference"]["kind"] == "head alone"
+        assert all(p["agreed"] == p["positions"] == 24 for p in rep["prompts"])
+        assert max(p["max_logprob_diff"] for p in rep["prompts"]) <= 1e-4
+        # The split really put the weights on the rpc-server.
+        assert any(k.startswith("RPC0[") for k in rep["split"]["buffers_mib"]), rep["split"]
+        assert not any(k.startswith("RPC") for k in rep["reference"]["buffers_mib"])
+        assert "reference: loading the model" in err and "split: prompt 3/3" in err
+        # The default tolerance (catalog: gb10 CUDA vs M2 Ultra Metal) is 'mixed'.
+        code, rep, _ = _verify(lab)
+        assert code == 0 and rep["tolerance"]["name"] == "mixed", rep["lines"]
+
+        # 2. Weights corrupted on their way to the rpc-server: FAIL.
+        via_proxy = _profile(lab, tmp_path, "proxy", port=PROXY_PORT)
+        for target, rate in (("weights", "1e-5"), ("get_tensor", "1e-3")):
+            stats = tmp_path / f"stats-{target}.json"
+            proxy = _proxy(lab, ip, stats, "--corrupt", target, "--corrupt-rate", rate)
+            try:
+                code, rep, _ = _verify(lab, "--profile", via_proxy)
+            finally:
+                final = _stop(proxy)
+            assert final["corruption"]["bits_flipped"] > 0, final
+            assert code == 1 and rep["verdict"] == "FAIL", (target, rep["lines"])
+            assert rep["reference"]["kind"] == "head alone"
+            print(f"CORRUPT {target} at {rate}/bit: {final['corruption']}")
+
+        # The same proxy without corruption: PASS (the proxy itself changes nothing).
+        stats = tmp_path / "stats-clean.json"
+        proxy = _proxy(lab, ip, stats)
+        try:
+            code, rep, _ = _verify(lab, "--profile", via_proxy)
+        finally:
+            final = _stop(proxy)
+        assert "corruption" not in final and final["rpc_commands"].get("SET_TENSOR", 0) > 0
+        assert code == 0 and rep["verdict"] == "PASS", rep["lines"]
+
+        # 3. The profile makes the model too big for the head: another split is the
+        # reference (here: fewer layers offloaded, the rest on the head's CPU).
+        small = _profile(lab, tmp_path, "small-head", head_gb=0.01)
+        code, rep, _ = _verify(lab, "--profile", small)
+        assert code == 0 and rep["verdict"] == "PASS", rep["lines"]
+        assert rep["reference"]["kind"] == "split"
+        assert "does not fit the head" in rep["reference_why"]
+        assert "head CPU" in rep["reference"]["assignment"]
+        assert rep["reference"]["assignment"] != rep["split"]["assignment"]
+        ref_b, split_b = rep["reference"]["buffers_mib"], rep["split"]["buffers_mib"]
+        rpc_key = next(k for k in split_b if k.startswith("RPC0["))
+        assert ref_b[rpc_key] < split_b[rpc_key], (ref_b, split_b)
+        # ... and it catches corruption too, with both placements behind the proxy.
+        small_proxy = _profile(lab, tmp_path, "small-proxy", port=PROXY_PORT, head_gb=0.01)
+        proxy = _proxy(
+            lab, ip, tmp_path / "s.json", "--corrupt", "get_tensor", "--corrupt-rate", "1e-3"
+        )
+        try:
+            code, rep, _ = _verify(lab, "--profile", small_proxy)
+        finally:
+            _stop(proxy)
+        assert code == 1 and rep["reference"]["kind"] == "split", rep["lines"]
+    finally:
+        rpc_srv.stop()

@@ -146,6 +146,8 @@ def register(app: typer.Typer) -> None:
         if dry_run:
             choice = head_split() if h.role == "head" else None
             plan = sv.build_plan(prof, h, bins, model, choice)
+            if h.role == "head" and (verify or prof.serve.verify):
+                plan.notes.append("verify: `linkctl verify` runs on the model before llama-server")
             if json_:
                 print_json(plan.as_dict())
                 return
