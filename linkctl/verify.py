@@ -107,6 +107,9 @@ class Step:
     logprob: float
     top: dict[int, float]
     text: str = ""
+    # False: llama-server sent no probabilities for this token (its text is incomplete
+    # UTF-8, see greedy_steps); only the token is compared there.
+    has_probs: bool = True
 
 
 def parse_probs(body: dict[str, Any]) -> list[Step]:
@@ -120,7 +123,10 @@ def parse_probs(body: dict[str, Any]) -> list[Step]:
         )
 
     def num(v: Any) -> float:
-        return float(v) if isinstance(v, int | float) else math.nan
+        if not isinstance(v, int | float):
+            return math.nan
+        # log(0) is sent as the lowest float (completion_token_output::logarithm)
+        return -math.inf if v <= -1e37 else float(v)
 
     out = []
     for p in probs:
@@ -133,6 +139,8 @@ def position_diff(a: Step, b: Step) -> float:
     """Largest |Δ logprob| over the union of both top-k lists. A token in one list but
     not the other is at most the other's k-th logprob there, so the difference is at
     least (its logprob - that k-th logprob)."""
+    if not (a.has_probs and b.has_probs):
+        return 0.0
     vals = [a.logprob, b.logprob, *a.top.values(), *b.top.values()]
     if not all(math.isfinite(v) for v in vals):
         return math.inf
@@ -184,6 +192,7 @@ def compare(prompt: str, ref: list[Step], got: list[Step], tol: Tolerance) -> Pr
             first = i
             break
     agreed = sum(r.token == g.token for r, g in zip(ref, got, strict=False))
+    no_probs = sum(not (r.has_probs and g.has_probs) for r, g in zip(ref, got, strict=False))
     vals = dict(
         prompt=prompt,
         positions=n,
@@ -198,6 +207,8 @@ def compare(prompt: str, ref: list[Step], got: list[Step], tol: Tolerance) -> Pr
     diff = (
         f"max |Δ logprob| {worst:.2g} nats at position {worst_at}" if worst_at is not None else ""
     )
+    if no_probs:
+        diff += f" ({no_probs} positions without probabilities: tokens only)"
     if math.isinf(worst):
         return PromptResult(
             **vals,
@@ -402,6 +413,7 @@ class VerifyOptions:
     n_predict: int = N_PREDICT
     n_probs: int = N_PROBS
     load_timeout_s: float = 300.0
+    logit_bias: list[list[int | bool]] = field(default_factory=list)
 
     def check(self) -> None:
         if self.reference not in ("auto", "head", "split"):
@@ -542,6 +554,46 @@ class _Server:
         self._fh.close()
 
 
+def greedy_steps(url: str, prompt: str, opts: VerifyOptions) -> list[Step]:
+    """Greedy decoding one token per request, each request the prompt's token ids plus
+    the tokens chosen so far (the prefix stays in llama-server's prompt cache). One
+    /completion of n tokens is not enough: llama-server holds back the probabilities of
+    a token whose text is incomplete UTF-8 and sends one merged entry once the text is
+    whole (server-context.cpp process_token), so a byte-level model's positions
+    would be lost. Even one token alone gets no entry when its text is an incomplete
+    UTF-8 sequence; then ``return_tokens`` still names it and only the token is compared
+    there. For the default byte-level model, ``logit_bias`` keeps the greedy choice off
+    the bytes 0x80-0xFF so that every position has its probabilities (the bias acts in
+    the sampler, after the logits the probabilities are computed from)."""
+    from linkctl.calibrate import _post
+
+    ids = _post(f"{url}/tokenize", {"content": prompt, "add_special": True}, 60).get("tokens")
+    if not ids:
+        raise CheckFailed(f"llama-server tokenized the prompt {prompt[:30]!r} to nothing")
+    steps: list[Step] = []
+    for _ in range(opts.n_predict):
+        body = {
+            "prompt": ids + [st.token for st in steps],
+            "n_predict": 1,
+            "n_probs": opts.n_probs,
+            "temperature": 0,
+            "ignore_eos": True,
+            "cache_prompt": True,
+            "seed": 0,
+            "return_tokens": True,
+            "logit_bias": opts.logit_bias,
+        }
+        r = _post(f"{url}/completion", body, 300)
+        got = parse_probs(r)
+        toks = r.get("tokens") or []
+        if not got and len(toks) == 1:
+            got = [Step(int(toks[0]), math.nan, {}, "", has_probs=False)]
+        if len(got) != 1:
+            raise CheckFailed(f"llama-server answered {len(got)} positions for one token")
+        steps.append(got[0])
+    return steps
+
+
 def run_prompts(
     pl: Placement,
     opts: VerifyOptions,
@@ -549,7 +601,7 @@ def run_prompts(
     say: Callable[[str], None],
     runner,
 ) -> tuple[list[list[Step]], dict[str, float]]:
-    from linkctl.calibrate import _post, wait_health
+    from linkctl.calibrate import wait_health
 
     t0 = time.monotonic()
     with _Server(pl.argv, log_dir / f"{pl.role}.log", runner) as srv:
@@ -558,18 +610,9 @@ def run_prompts(
         t_load = time.monotonic() - t0
         say(f"{pl.role}: ready in {t_load:.1f} s")
         out = []
+        url = f"http://127.0.0.1:{srv.port}"
         for i, prompt in enumerate(opts.prompts, 1):
-            body = {
-                "prompt": prompt,
-                "n_predict": opts.n_predict,
-                "n_probs": opts.n_probs,
-                "temperature": 0,
-                "ignore_eos": True,
-                "cache_prompt": False,
-                "seed": 0,
-            }
-            r = _post(f"http://127.0.0.1:{srv.port}/completion", body, 600)
-            steps = parse_probs(r)
+            steps = greedy_steps(url, prompt, opts)
             say(f"{pl.role}: prompt {i}/{len(opts.prompts)}: {len(steps)} tokens")
             out.append(steps)
     pl.buffers_mib = model_buffers(srv.log.read_text(errors="replace"))
@@ -622,8 +665,14 @@ def plan(
     opts.check()
     runner = runner or default_runner()
     model, source, info = resolve_model(opts)
+    if not opts.model:
+        from linkctl.tinymodel import N_SPECIAL
+
+        opts.logit_bias = [[N_SPECIAL + b, False] for b in range(0x80, 0x100)]
     server = bins.need("llama-server").path
-    split_argv = [*head_argv(prof, server, model), "-c", str(CTX), "-np", "1"]
+    # -lv 4: llama-server's info log names each device's model buffer (where the weights
+    # really went); it changes no computation.
+    split_argv = [*head_argv(prof, server, model), "-c", str(CTX), "-np", "1", "-lv", "4"]
     split_argv = _drop_opt(split_argv, "--host", "--port")
     rpc_hosts = [h.name for h in prof.rpc_hosts]
     head = prof.head.name
