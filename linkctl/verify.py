@@ -186,7 +186,7 @@ def compare(prompt: str, ref: list[Step], got: list[Step], tol: Tolerance) -> Pr
         g = got[i]
         d = position_diff(r, g)
         compared += 1
-        if d > worst or (math.isinf(d) and worst_at is None):
+        if worst_at is None or d > worst:
             worst, worst_at = d, i
         if r.token != g.token:
             first = i
@@ -562,7 +562,7 @@ def greedy_steps(url: str, prompt: str, opts: VerifyOptions) -> list[Step]:
     whole (server-context.cpp process_token), so a byte-level model's positions
     would be lost. Even one token alone gets no entry when its text is an incomplete
     UTF-8 sequence; then ``return_tokens`` still names it and only the token is compared
-    there. For the default byte-level model, ``logit_bias`` keeps the greedy choice off
+    there. For linkctl's tiny byte-level model, ``logit_bias`` keeps the greedy choice off
     the bytes 0x80-0xFF so that every position has its probabilities (the bias acts in
     the sampler, after the logits the probabilities are computed from)."""
     from linkctl.calibrate import _post
@@ -584,10 +584,11 @@ def greedy_steps(url: str, prompt: str, opts: VerifyOptions) -> list[Step]:
             "logit_bias": opts.logit_bias,
         }
         r = _post(f"{url}/completion", body, 300)
-        got = parse_probs(r)
         toks = r.get("tokens") or []
-        if not got and len(toks) == 1:
+        if not r.get("completion_probabilities") and len(toks) == 1:
             got = [Step(int(toks[0]), math.nan, {}, "", has_probs=False)]
+        else:
+            got = parse_probs(r)
         if len(got) != 1:
             raise CheckFailed(f"llama-server answered {len(got)} positions for one token")
         steps.append(got[0])
@@ -665,15 +666,15 @@ def plan(
     opts.check()
     runner = runner or default_runner()
     model, source, info = resolve_model(opts)
-    if not opts.model:
+    if (info.name or "").startswith("linkctl-tiny-llama"):
         from linkctl.tinymodel import N_SPECIAL
 
         opts.logit_bias = [[N_SPECIAL + b, False] for b in range(0x80, 0x100)]
     server = bins.need("llama-server").path
     # -lv 4: llama-server's info log names each device's model buffer (where the weights
     # really went); it changes no computation.
-    split_argv = [*head_argv(prof, server, model), "-c", str(CTX), "-np", "1", "-lv", "4"]
-    split_argv = _drop_opt(split_argv, "--host", "--port")
+    split_argv = _drop_opt(head_argv(prof, server, model), "--host", "--port", "-c", "-np", "-lv")
+    split_argv += ["-c", str(CTX), "-np", "1", "-lv", "4"]
     rpc_hosts = [h.name for h in prof.rpc_hosts]
     head = prof.head.name
     if opts.reference == "auto":

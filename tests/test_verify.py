@@ -103,11 +103,13 @@ def test_parse_probs_reads_llama_server_shape_and_nulls():
                 "top_logprobs": [{"id": 68, "token": "a", "bytes": [97], "logprob": -0.25}],
             },
             {"id": 69, "token": "b", "logprob": None, "top_logprobs": []},
+            {"id": 70, "token": "c", "logprob": -3.4028234663852886e38, "top_logprobs": []},
         ],
     }
     s = parse_probs(body)
     assert s[0].token == 68 and s[0].top == {68: -0.25} and s[0].text == "a"
     assert math.isnan(s[1].logprob)
+    assert s[2].logprob == -math.inf  # log(0) arrives as the lowest float
     from linkctl.errors import CheckFailed
 
     with pytest.raises(CheckFailed, match="without completion_probabilities"):
@@ -227,10 +229,14 @@ def _verify(lab, *args: str) -> tuple[int, dict, str]:
     return r.returncode, rep, r.stderr
 
 
-def _profile(lab, tmp_path: Path, name: str, port: int | None = None, head_gb=None) -> str:
+def _profile(
+    lab, tmp_path: Path, name: str, port: int | None = None, head_gb=None, verify=False
+) -> str:
     import tomli_w
 
     data = tomllib.loads(Path(lab.profile_path).read_text())
+    if verify:
+        data["serve"]["verify"] = True
     for h in data["hosts"]:
         if h["role"] == "rpc" and port:
             h.setdefault("rpc", {})["port"] = port
@@ -290,6 +296,20 @@ def test_verify_lab_pair_clean_corrupted_and_split_reference(make_lab, tmp_path)
             assert rep["reference"]["kind"] == "head alone"
             print(f"CORRUPT {target} at {rate}/bit: {final['corruption']}")
 
+        # serve --verify on the head refuses a corrupted split before llama-server starts.
+        model = rep["model"]
+        proxy = _proxy(
+            lab, ip, tmp_path / "g.json", "--corrupt", "get_tensor", "--corrupt-rate", "1e-3"
+        )
+        try:
+            r = lab.run(
+                "mac", "serve", "--profile", via_proxy, "--skip-probe", "--verify", "--model", model
+            )
+        finally:
+            _stop(proxy)
+        assert r.returncode == 1 and "verify failed, not serving" in r.stderr, r.stderr[-3000:]
+        assert "supervising" not in r.stderr
+
         # The same proxy without corruption: PASS (the proxy itself changes nothing).
         stats = tmp_path / "stats-clean.json"
         proxy = _proxy(lab, ip, stats)
@@ -299,6 +319,21 @@ def test_verify_lab_pair_clean_corrupted_and_split_reference(make_lab, tmp_path)
             final = _stop(proxy)
         assert "corruption" not in final and final["rpc_commands"].get("SET_TENSOR", 0) > 0
         assert code == 0 and rep["verdict"] == "PASS", rep["lines"]
+
+        # serve.verify = true in the profile: the head verifies, then serves.
+        gated = _profile(lab, tmp_path, "gated", verify=True)
+        head = Serve(
+            lab,
+            "mac",
+            "head",
+            ["--profile", gated, "--skip-probe", "--model", model],
+            tmp_path / "mac.log",
+        )
+        try:
+            head.wait(lambda s: s["state"] == "ready", 120, "llama-server ready after verify")
+            assert "verify PASS: top-1 agreement 72/72" in head.text(), head.text()[-3000:]
+        finally:
+            head.stop()
 
         # 3. The profile makes the model too big for the head: another split is the
         # reference (here: fewer layers offloaded, the rest on the head's CPU).
