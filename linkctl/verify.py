@@ -414,6 +414,8 @@ class VerifyOptions:
     n_probs: int = N_PROBS
     load_timeout_s: float = 300.0
     logit_bias: list[list[int | bool]] = field(default_factory=list)
+    split: Any = None  # serve.SplitChoice; None: chosen as `linkctl serve` chooses it
+    split_spec: str | None = None  # --split, as serve's
 
     def check(self) -> None:
         if self.reference not in ("auto", "head", "split"):
@@ -661,7 +663,7 @@ def plan(
     reference (and not in a dry run), `llama-server --list-devices`, which asks each
     rpc-server for its devices."""
     from linkctl.runner import default_runner
-    from linkctl.serve import head_argv
+    from linkctl.serve import choose_split, head_argv
 
     opts.check()
     runner = runner or default_runner()
@@ -673,7 +675,12 @@ def plan(
     server = bins.need("llama-server").path
     # -lv 4: llama-server's info log names each device's model buffer (where the weights
     # really went); it changes no computation.
-    split_argv = _drop_opt(head_argv(prof, server, model), "--host", "--port", "-c", "-np", "-lv")
+    choice = opts.split if opts.split is not None else choose_split(prof, model, opts.split_spec)
+    for note in choice.notes:
+        say(f"serve's split: {note}")
+    split_argv = _drop_opt(
+        head_argv(prof, server, model, choice), "--host", "--port", "-c", "-np", "-lv"
+    )
     split_argv += ["-c", str(CTX), "-np", "1", "-lv", "4"]
     rpc_hosts = [h.name for h in prof.rpc_hosts]
     head = prof.head.name

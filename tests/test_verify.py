@@ -235,6 +235,8 @@ def _profile(
     import tomli_w
 
     data = tomllib.loads(Path(lab.profile_path).read_text())
+    # No probe report in this test: llama.cpp's own split, not the estimate's.
+    data["serve"]["split"] = "llama"
     if verify:
         data["serve"]["verify"] = True
     for h in data["hosts"]:
@@ -263,12 +265,13 @@ def test_verify_lab_pair_clean_corrupted_and_split_reference(make_lab, tmp_path)
     try:
         rpc_srv.wait(lambda s: s["state"] == "ready", 60, "rpc-server ready")
 
+        base = _profile(lab, tmp_path, "base")
         # Dry run: the plan, nothing started or contacted.
-        r = lab.run("mac", "verify", "--dry-run")
+        r = lab.run("mac", "verify", "--profile", base, "--dry-run")
         assert r.returncode == 0 and "reference  head alone" in r.stdout, r.stdout + r.stderr
 
         # 1. Clean split, the head alone as reference: identical CPU backends agree exactly.
-        code, rep, err = _verify(lab, "--backends", "same")
+        code, rep, err = _verify(lab, "--profile", base, "--backends", "same")
         assert code == 0 and rep["verdict"] == "PASS", rep["lines"]
         assert rep["reference"]["kind"] == "head alone"
         assert all(p["agreed"] == p["positions"] == 24 for p in rep["prompts"]), rep["prompts"]
@@ -278,7 +281,7 @@ def test_verify_lab_pair_clean_corrupted_and_split_reference(make_lab, tmp_path)
         assert not any(k.startswith("RPC") for k in rep["reference"]["buffers_mib"])
         assert "reference (head alone): loading the model" in err and "split: prompt 3/3" in err
         # The lab profile makes every device the CPU: the default tolerance is 'same' too.
-        code, rep, _ = _verify(lab)
+        code, rep, _ = _verify(lab, "--profile", base)
         assert code == 0 and rep["tolerance"]["name"] == "same", rep["lines"]
         assert rep["backends_why"] == "every host computes on cpu"
 

@@ -80,6 +80,15 @@ def register(app: typer.Typer) -> None:
                 "the same ggml backend, else 'mixed'.",
             ),
         ] = "auto",
+        split: Annotated[
+            str | None,
+            typer.Option(
+                "--split",
+                help="The split to verify, as `linkctl serve --split` (recommended, llama or "
+                "W,W,...). Default: serve.split, resolved as serve resolves it.",
+                show_default=False,
+            ),
+        ] = None,
         tokens: Annotated[
             int, typer.Option("--tokens", help="Tokens generated per fixed prompt.")
         ] = 24,
@@ -104,6 +113,7 @@ def register(app: typer.Typer) -> None:
           linkctl verify
           linkctl verify --model /models/m.gguf --json
           linkctl verify --reference split --dry-run
+          linkctl verify --split llama
         """
         from linkctl.llama import find_bins
         from linkctl.verify import VerifyOptions
@@ -117,7 +127,9 @@ def register(app: typer.Typer) -> None:
                 f"run it on {prof.head.name}",
             )
         bins = find_bins(h.llama_bin_dir)
-        opts = VerifyOptions(model=model, reference=reference, backends=backends, n_predict=tokens)
+        opts = VerifyOptions(
+            model=model, reference=reference, backends=backends, n_predict=tokens, split_spec=split
+        )
         code = run_verify(prof, opts, bins, json_=json_, dry_run=dry_run)
         if code:
             raise typer.Exit(code)
