@@ -248,3 +248,18 @@ def test_setup_dry_run_on_the_mac_replay(installed, tmp_path):
     assert plan["dry_run"] and [c["summary"] for c in plan["plan"]["changes"]]
     assert any("is ahead of 'Wi-Fi'" in n for n in plan["plan"]["notes"])
     assert os.path.basename(res["package"]) == "__init__.py"
+
+
+def test_the_lab_refuses_off_linux(monkeypatch):
+    """Network namespaces are Linux only: on macOS `linkctl lab` says so (exit 2) before
+    it imports pyroute2 or touches anything."""
+    from typer.testing import CliRunner
+
+    from linkctl.cli import app
+    from linkctl.errors import InputError
+
+    monkeypatch.setattr(sys, "platform", "darwin")
+    # `lab down` of a lab that does not exist: harmless even if the guard were gone.
+    r = CliRunner().invoke(app, ["lab", "down", "--name", "t-no-such-lab-i11"])
+    assert isinstance(r.exception, InputError) and r.exception.exit_code == 2
+    assert "needs Linux network namespaces; this is darwin" in r.exception.message
