@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import statistics
 import struct
 import subprocess
@@ -42,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from linkctl.errors import CheckFailed, InputError
+from linkctl.llama import free_port
 from linkctl.profile import Profile
 from linkctl.runner import Runner, default_runner
 from linkctl.tinymodel import TinySpec
@@ -51,12 +51,6 @@ PROMPT_WORDS = (
     "boundary so its latency adds to each step of decoding while its bandwidth matters "
     "mostly for the prompt "
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _post(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -320,8 +314,8 @@ def calibrate(
 
     local_argvs = []
     for mp in paths:
-        local_argvs.append([bins.llama_server.path, *common(mp), "--port", str(_free_port())])
-    rpc_port = _free_port()
+        local_argvs.append([bins.llama_server.path, *common(mp), "--port", str(free_port())])
+    rpc_port = free_port()
     rpc_argv = [
         bins.rpc_server.path if bins.rpc_server else "ggml-rpc-server",
         "-H",
@@ -330,7 +324,7 @@ def calibrate(
         str(rpc_port),
         *(["-t", str(threads)] if threads else []),
     ]
-    port2 = _free_port()
+    port2 = free_port()
     head_argv = [
         bins.llama_server.path,
         *common(paths[0]),

@@ -21,7 +21,7 @@ from linkctl.backend import Backend
 from linkctl.checks import Verdict, nic_checks
 from linkctl.errors import ApplyError, CheckFailed, InputError
 from linkctl.netstate import Drift, LinkFacts, LinkStatus, Route
-from linkctl.paths import state_dir
+from linkctl.paths import state_dir, write_atomic
 from linkctl.plan import Change, Effect, Kind, Plan, apply, rollback
 from linkctl.profile import HostSpec, Profile
 
@@ -235,9 +235,8 @@ def _load_record(path: Path) -> list[Change]:
 
 
 def _save_record(path: Path, profile: Profile, host: HostSpec, applied: list[Change]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(
+    write_atomic(
+        path,
         json.dumps(
             {
                 "profile": profile.name,
@@ -247,9 +246,8 @@ def _save_record(path: Path, profile: Profile, host: HostSpec, applied: list[Cha
                 "applied": [c.as_dict() for c in applied],
             },
             indent=2,
-        )
+        ),
     )
-    tmp.replace(path)
 
 
 # ---- the three verbs ---------------------------------------------------------------

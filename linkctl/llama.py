@@ -188,7 +188,8 @@ def server_version(path: str, runner: Runner | None = None) -> str | None:
     return None
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the kernel picks it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -223,7 +224,7 @@ def rpc_protocol(
     except (OSError, ValueError, KeyError, IndexError):
         pass
     runner = runner or default_runner()
-    port = _free_port()
+    port = free_port()
     proc = runner.spawn(
         [b.path, "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,

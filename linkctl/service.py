@@ -33,6 +33,7 @@ from typing import Any
 from xml.sax.saxutils import escape as xml_escape
 
 from linkctl.errors import InputError
+from linkctl.llama import RPC_NAMES
 from linkctl.paths import SYSTEM_PROFILE_DIR, shipped
 from linkctl.profile import HostSpec, Profile
 from linkctl.runner import Runner, default_runner
@@ -51,7 +52,6 @@ DEFAULT_WAIT_CARRIER_S = 120.0
 # launchd's PATH is /usr/bin:/bin:/usr/sbin:/sbin; iperf3 comes from Homebrew.
 LAUNCHD_PATH = "/opt/homebrew/bin:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"
 GENERATED = "Rendered by `linkctl service install`; edit the template, not this file."
-RPC_NAMES = ("ggml-rpc-server", "rpc-server")
 
 
 def template_dir(kind: str) -> Path:

@@ -27,6 +27,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
+from linkctl.paths import write_atomic
 from linkctl.runner import Runner, default_runner
 
 
@@ -116,10 +117,7 @@ class Supervisor:
     def _write_status(self) -> None:
         if not self.status_path:
             return
-        self.status_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.status_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self.status), indent=2))
-        tmp.replace(self.status_path)
+        write_atomic(self.status_path, json.dumps(asdict(self.status), indent=2))
 
     def _pump(self, stream: IO[bytes]) -> None:
         for raw in iter(stream.readline, b""):

@@ -8,8 +8,6 @@ last peer probed, ``state_dir()/probe/latest.json``; ``estimate`` and
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -17,7 +15,7 @@ from typing import Any
 
 from linkctl.checks import Check
 from linkctl.errors import InputError
-from linkctl.paths import state_dir
+from linkctl.paths import state_dir, write_atomic
 
 
 @dataclass
@@ -94,26 +92,13 @@ def report_path(profile: str, host: str, peer: str) -> Path:
     return report_dir() / f"{profile}--{host}--{peer}.json"
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def save(report: ProbeReport) -> Path:
     """Write the per-peer file and latest.json; returns the per-peer path."""
     text = json.dumps(report.to_json(), indent=2, default=str) + "\n"
     path = report_path(report.profile, report.host, report.peer)
     try:
-        _write_atomic(path, text)
-        _write_atomic(report_dir() / "latest.json", text)
+        write_atomic(path, text)
+        write_atomic(report_dir() / "latest.json", text)
     except OSError as e:
         raise InputError(
             f"cannot save the probe report under {report_dir()}: {e}",
@@ -243,7 +228,7 @@ def write_prometheus(path: str | Path, reports: list[ProbeReport]) -> Path:
             "create it or point --prom at node_exporter's textfile directory",
         )
     try:
-        _write_atomic(p, to_prometheus(reports))
+        write_atomic(p, to_prometheus(reports))
     except OSError as e:
         raise InputError(
             f"--prom {path}: cannot write: {e}", "check the path's permissions"
