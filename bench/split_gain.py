@@ -6,17 +6,19 @@ Case 1, unequal rpc hosts:
 1. A fresh lab of the dgx2-mac-switch profile (dgx1 and dgx2 run rpc-server, mac
    is the head; the lab's llama.cpp is a CPU build, so the head holds no layers and
    the split is between the two rpc hosts). `linkctl setup` on every host.
-2. dgx2 is made slower than dgx1: each rpc host's processes run in a child cgroup
-   of this machine with a CPU quota (--fast-cpu 50% of one CPU for dgx1, --slow-cpu
-   20% for dgx2; 1 ms per period of 1 ms / share, so every burst of work is slowed,
-   not only a busy host's average; cgroup v2 cpu.max, or the v1 CFS quota where cpu
-   is bound to v1), created here and removed at the end. Quotas below what the
-   shared machine leaves free keep each host's speed its own, not the other jobs'.
+2. dgx2 is made slower than dgx1: dgx1's rpc-server runs --fast-threads threads
+   (default 2), dgx2's --threads (default 1). Optionally (--fast-cpu / --slow-cpu,
+   off by default) each host's processes run in a child cgroup with a CPU quota (1
+   ms per period of 1 ms / share; cgroup v2 cpu.max, or the v1 CFS quota where cpu
+   is bound to v1, as on this machine), created here and removed at the end. Tried
+   first; it does not make a slower device: a host that idles while the other host
+   computes its layers is throttled less than when it does all the work (its
+   calibration), so the split measured faster than its prediction (README).
 3. A tiny random-weight llama GGUF (linkctl.tinymodel; F32, 8 layers x 512).
 4. The real probe from mac to each rpc host (`linkctl responder` there), so the
    head has the saved probe reports `serve` estimates from.
-5. `linkctl calibrate --rpc` on dgx1, and on dgx2 inside its cgroup.
-6. `linkctl serve` on dgx1 and dgx2 (rpc-server; dgx2's inside its cgroup).
+5. `linkctl calibrate --rpc` on dgx1 and dgx2, each with its threads (and cgroup).
+6. `linkctl serve` on dgx1 and dgx2 (rpc-server, each with its threads and cgroup).
 7. On mac, alternately (interleaved, --rounds times each): `linkctl serve --split
    llama` (llama.cpp's split: by the free memory each rpc-server reports, about
    half each here) and `linkctl serve --split recommended` (the estimate's fastest
@@ -84,9 +86,10 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds per split")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--fast-cpu", type=float, default=0.5, help="dgx1's CPU quota (of 1 CPU)")
-    ap.add_argument("--slow-cpu", type=float, default=0.2, help="dgx2's CPU quota (of 1 CPU)")
+    ap.add_argument("--threads", type=int, default=1, help="llama.cpp threads, head and dgx2")
+    ap.add_argument("--fast-threads", type=int, default=2, help="dgx1's rpc-server threads")
+    ap.add_argument("--fast-cpu", type=float, default=0.0, help="dgx1's CPU quota; 0: none")
+    ap.add_argument("--slow-cpu", type=float, default=0.0, help="dgx2's CPU quota; 0: none")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--keep", action="store_true", help="leave the lab up")
     a = ap.parse_args()
@@ -124,7 +127,8 @@ def main() -> int:
         pdata = tomllib.loads(Path(lab["profile_path"]).read_text())
         for h in pdata["hosts"]:
             h["device"], h["memory_gb"] = "cpu", 16
-            h.setdefault("rpc", {})["threads"] = a.threads
+            fast = h["name"] == "dgx1"
+            h.setdefault("rpc", {})["threads"] = a.fast_threads if fast else a.threads
         pdata["serve"] |= {
             "model": mpath,
             "ctx": 1024,
@@ -134,8 +138,9 @@ def main() -> int:
         }
         prof = work / "profile.toml"
         prof.write_text(tomli_w.dumps(pdata))
-        limits["dgx1"] = CpuLimit(a.fast_cpu)
-        limits["dgx2"] = CpuLimit(a.slow_cpu)
+        for h, share in (("dgx1", a.fast_cpu), ("dgx2", a.slow_cpu)):
+            if share:
+                limits[h] = CpuLimit(share)
 
         # The real probe, mac -> each rpc host: the reports serve gates on and estimates from.
         for h in RPC_HOSTS:
@@ -174,9 +179,9 @@ def main() -> int:
         cals = {}
         for h in RPC_HOSTS:
             argv = [PY, "-m", "linkctl", "calibrate", "--profile", str(prof), "--model", mpath,
-                    "--rpc", "--threads", t, "--tokens", str(a.tokens), "--runs", str(a.runs),
-                    "--json"]  # fmt: skip
-            cals[h] = json.loads(in_ns(name, h, *argv, timeout=1800, limit=limits[h]))
+                    "--rpc", "--threads", str(a.fast_threads) if h == "dgx1" else t,
+                    "--tokens", str(a.tokens), "--runs", str(a.runs), "--json"]  # fmt: skip
+            cals[h] = json.loads(in_ns(name, h, *argv, timeout=1800, limit=limits.get(h)))
         cal_args = [x for h in RPC_HOSTS for x in ("--calibration", cals[h]["saved_to"])]
         result["calibration"] = {
             h: {k: c.get(k) for k in ("decode_tok_s", "rpc", "rpc_overhead_us")}
@@ -186,12 +191,12 @@ def main() -> int:
         rpc_serves = {}
         for h in RPC_HOSTS:
             argv = [PY, "-m", "linkctl", "serve", "--profile", str(prof)]
-            lim = limits[h]
+            lim = limits.get(h)
             p = Proc(name, h, argv, work / f"{h}-serve.log", limit=lim)
             procs.append(p)
             rpc_serves[h] = p
             st = wait_status(root / "hosts" / h / "serve" / "rpc.json", p, 120, f"{h} rpc-server")
-            if st["child_pid"] not in lim.pids():
+            if lim and st["child_pid"] not in lim.pids():
                 raise SystemExit(f"{h}'s rpc-server {st['child_pid']} is not in {lim.kind}")
 
         def serve_head(profile: Path, split: str, tag: str) -> tuple[Proc, dict]:
@@ -352,8 +357,9 @@ def main() -> int:
     else:
         c = result["calibration"]
         print(
-            f"tiny model {model['bytes'] / 1e6:.0f} MB F32, {a.threads} thread(s); CPU quota "
-            f"dgx1 {a.fast_cpu:.0%}, dgx2 {a.slow_cpu:.0%} of one CPU; calibrated decode dgx1 "
+            f"tiny model {model['bytes'] / 1e6:.0f} MB F32; rpc-server threads dgx1 "
+            f"{a.fast_threads}, dgx2 {a.threads}; CPU quota dgx1 {a.fast_cpu:.0%}, dgx2 "
+            f"{a.slow_cpu:.0%} of one CPU (0: none); calibrated decode dgx1 "
             f"{c['dgx1']['decode_tok_s']:.1f}, dgx2 {c['dgx2']['decode_tok_s']:.1f} tok/s "
             "(local)"
         )
