@@ -6,14 +6,15 @@ Case 1, unequal rpc hosts:
 1. A fresh lab of the dgx2-mac-switch profile (dgx1 and dgx2 run rpc-server, mac
    is the head; the lab's llama.cpp is a CPU build, so the head holds no layers and
    the split is between the two rpc hosts). `linkctl setup` on every host.
-2. dgx2 is made slower than dgx1: dgx1's rpc-server runs --fast-threads threads
-   (default 2), dgx2's --threads (default 1). Optionally (--fast-cpu / --slow-cpu,
-   off by default) each host's processes run in a child cgroup with a CPU quota (1
-   ms per period of 1 ms / share; cgroup v2 cpu.max, or the v1 CFS quota where cpu
-   is bound to v1, as on this machine), created here and removed at the end. Tried
-   first; it does not make a slower device: a host that idles while the other host
-   computes its layers is throttled less than when it does all the work (its
-   calibration), so the split measured faster than its prediction (README).
+2. dgx2 is made slower than dgx1: its processes run in a child cgroup with a CPU
+   quota (--slow-cpu, default 35% of one CPU; --fast-cpu for dgx1, default none;
+   1 ms per period of 1 ms / share; cgroup v2 cpu.max, or the v1 CFS quota where
+   cpu is bound to v1, as on this machine), created here and removed at the end;
+   or by threads (--fast-threads for dgx1's rpc-server, --threads for dgx2's).
+   Neither makes a fixed-speed device on a shared 2-core machine: a quota'd host
+   that idles while the other computes is throttled less than when it does all the
+   work (its calibration), and two threads on two busy cores are slower than one
+   (README, "Split gain in the lab").
 3. A tiny random-weight llama GGUF (linkctl.tinymodel; F32, 8 layers x 512).
 4. The real probe from mac to each rpc host (`linkctl responder` there), so the
    head has the saved probe reports `serve` estimates from.
@@ -87,9 +88,9 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds per split")
     ap.add_argument("--threads", type=int, default=1, help="llama.cpp threads, head and dgx2")
-    ap.add_argument("--fast-threads", type=int, default=2, help="dgx1's rpc-server threads")
+    ap.add_argument("--fast-threads", type=int, default=1, help="dgx1's rpc-server threads")
     ap.add_argument("--fast-cpu", type=float, default=0.0, help="dgx1's CPU quota; 0: none")
-    ap.add_argument("--slow-cpu", type=float, default=0.0, help="dgx2's CPU quota; 0: none")
+    ap.add_argument("--slow-cpu", type=float, default=0.35, help="dgx2's CPU quota; 0: none")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--keep", action="store_true", help="leave the lab up")
     a = ap.parse_args()
