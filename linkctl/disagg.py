@@ -42,6 +42,10 @@ def server_argv(profile: Profile, binary: str, model: str, host: str, port: int)
     argv = [binary, "-m", model, "-c", str(s.ctx), "-np", str(d.slots), "-ngl", str(s.ngl)]
     argv += ["--host", host, "--port", str(port), "--slot-save-path", str(kv_dir())]
     argv += ["--cache-ram", "0"]
+    if s.api_key_file:
+        # Both servers check the key: route forwards the client's Authorization header
+        # on every call it makes upstream (linkctl.route._client_headers).
+        argv += ["--api-key-file", s.api_key_file]
     if s.threads:
         argv += ["-t", str(s.threads)]
     return argv + list(s.extra_args)

@@ -273,3 +273,27 @@ def test_service_install_refuses_an_open_api_and_reads_the_key_in_the_root(tmp_p
     if head_os == "linux":  # DynamicUser could not read a 0600 file
         assert res["serve_user"] == "root"
         assert any("llama-server reads /etc/linkctl/llama-api-keys" in n for n in res["notes"])
+
+
+# ---- serve.mode = "disaggregated": route listens on serve.host -----------------------------
+
+
+def test_disaggregated_mode_follows_the_same_rule(tmp_path):
+    from linkctl import disagg
+
+    keys = key_file(tmp_path)
+    prof = profile(mode="disaggregated", host="0.0.0.0", api_key_file=keys)
+    plan = disagg.build_plan(prof, prof.head, "llama-server", "/m.gguf")
+    for argv in (plan.prefill_argv, plan.decode_argv):
+        assert argv[argv.index("--api-key-file") + 1] == keys
+    data = json.loads(json.dumps(BASE))
+    data["serve"] |= {"mode": "disaggregated", "host": "0.0.0.0"}
+    p = tmp_path / "open.toml"
+    p.write_text(tomli_w.dumps(data))
+    r = linkctl("serve", "--profile", str(p), "--host", "mac", "--dry-run")
+    assert r.returncode == 2 and "serve.api_key_file" in r.stderr, r.stderr
+    # The prefill host checks the key file its llama-server will read.
+    data["serve"]["api_key_file"] = str(tmp_path / "missing")
+    p.write_text(tomli_w.dumps(data))
+    r = linkctl("serve", "--profile", str(p), "--host", "dgx", "--dry-run")
+    assert r.returncode == 2 and "no such file" in r.stderr, r.stderr

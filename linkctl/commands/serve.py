@@ -199,6 +199,12 @@ def _serve_disaggregated(prof, h, backend, bins, model, skip_probe, dry_run, jso
     from linkctl import disagg
     from linkctl import serve as sv
 
+    # route listens on serve.host: the same API rule as the split mode; the prefill
+    # host's llama-server reads the same key file (its path, on that host).
+    if h.role == "head":
+        sv.serve_auth(prof)
+    elif prof.serve.api_key_file:
+        sv.read_api_keys(prof.serve.api_key_file)
     binary = bins.llama_server.path if bins.llama_server else "llama-server"
     plan = disagg.build_plan(prof, h, binary, model)
     if dry_run:
