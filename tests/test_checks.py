@@ -4,6 +4,7 @@ same rules (linkctl.checks), so for any facts their verdicts agree."""
 from __future__ import annotations
 
 import pytest
+from test_probe import _facts
 
 from linkctl import doctor, link
 from linkctl.checks import Check, Verdict, nic_checks
@@ -14,16 +15,6 @@ from linkctl.profile import load_profile
 
 PROF = load_profile("dgx-mac")[0]
 HOST = PROF.host("mac")
-GOOD = dict(
-    ifname="en0",
-    up=True,
-    carrier=True,
-    mtu=9000,
-    mac="aa:bb:cc:dd:ee:01",
-    addresses=("192.168.100.1/24",),
-    speed_mbps=10000,
-    duplex="full",
-)
 
 
 class FactsBackend:
@@ -57,7 +48,7 @@ DRIFT = {"speed": "speed_mbps", "duplex": "duplex", "mtu": "mtu", "address": "ad
 @pytest.mark.parametrize("case", list(CASES))
 def test_status_probe_and_doctor_agree(case):
     change, want = CASES[case]
-    facts = LinkFacts(**{**GOOD, **change})
+    facts = _facts(**change)  # en0 as profiled, 10 Gbit/s full duplex, then the change
     backend = FactsBackend(facts)
     shared = nic_checks(facts, HOST, PROF.link)
     assert all(type(c) is Check and type(c.verdict) is Verdict for c in shared.values())
