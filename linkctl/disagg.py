@@ -117,6 +117,7 @@ def route_config(
     """The RouteConfig for the head, from the profile; ``threshold`` overrides both
     serve.disagg.threshold_tokens and the estimate."""
     from linkctl.route import RouteConfig, Upstream
+    from linkctl.serve import read_api_keys
 
     s, d = profile.serve, profile.serve.disagg
     pre = profile.prefill_host
@@ -139,6 +140,7 @@ def route_config(
         slots=d.slots,
         listen_host=str(s.host),
         listen_port=s.port,
+        api_keys=read_api_keys(s.api_key_file) if s.api_key_file else [],
     )
 
 
@@ -170,6 +172,10 @@ def run_prefill(
     from linkctl.supervise import ChildSpec, Supervisor
 
     check_bind_on_link(host, backend)
+    if profile.serve.api_key_file:  # the prefill llama-server loads the same keys
+        from linkctl.serve import read_api_keys
+
+        read_api_keys(profile.serve.api_key_file)
     for d in (kv_dir(), models_dir()):
         d.mkdir(parents=True, exist_ok=True)
     say = _say(log, "kv-agent")
@@ -371,10 +377,17 @@ def doctor_checks(
             f"host's {model} ({mine.get('size')} bytes)",
             "linkctl model sync",
         )
-    cfg = route_config(profile)
     try:
-        theirs_p = cfg.prefill.call("GET", "/props", timeout=timeout_s) if cfg.prefill else {}
-        mine_p = cfg.decode.call("GET", "/props", timeout=timeout_s)
+        cfg = route_config(profile)
+    except InputError as e:
+        res.add("servers match", "SKIP", None, f"no API key to ask with: {e.message}")
+        return
+    try:
+        own = cfg.own_headers()
+        theirs_p = (
+            cfg.prefill.call("GET", "/props", headers=own, timeout=timeout_s) if cfg.prefill else {}
+        )
+        mine_p = cfg.decode.call("GET", "/props", headers=own, timeout=timeout_s)
     except rt.UpstreamError as e:
         res.add("servers match", "SKIP", None, f"not both servers answer yet: {e}")
         return

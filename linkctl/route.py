@@ -136,6 +136,14 @@ class RouteConfig:
     slots: int = 1
     listen_host: str = "127.0.0.1"
     listen_port: int = 9999
+    # serve.api_key_file's keys: both llama-servers require one (--api-key-file). Route
+    # passes the client's Authorization on for everything the client asks for (so an
+    # unauthenticated client is refused before any prefill), and uses the first key
+    # for its own calls (/props, slot save/restore/erase) and to guard /linkctl/stats.
+    api_keys: list[str] = field(default_factory=list)
+
+    def own_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_keys[0]}"} if self.api_keys else {}
 
 
 @dataclass
@@ -293,7 +301,8 @@ class Router:
         o.prefill_s = time.monotonic() - t
         o.stage = "save"
         t = time.monotonic()
-        saved = cfg.prefill.call("POST", f"/slots/{k}?action=save", {"filename": name}, headers)
+        own = cfg.own_headers()
+        saved = cfg.prefill.call("POST", f"/slots/{k}?action=save", {"filename": name}, own)
         o.save_s = time.monotonic() - t
         o.stage = "transfer"
         dest = cfg.decode_slot_dir / name
@@ -305,7 +314,7 @@ class Router:
             o.stage = "restore"
             t = time.monotonic()
             restored = cfg.decode.call(
-                "POST", f"/slots/{k}?action=restore", {"filename": name}, headers
+                "POST", f"/slots/{k}?action=restore", {"filename": name}, own
             )
             o.restore_s = time.monotonic() - t
         finally:
@@ -317,9 +326,9 @@ class Router:
                 f"restored {o.restored_tokens} tokens, the prefill host saved {want}"
             )
 
-    def erase(self, k: int, headers: dict[str, str]) -> None:
+    def erase(self, k: int) -> None:
         try:
-            self.cfg.decode.call("POST", f"/slots/{k}?action=erase", {}, headers)
+            self.cfg.decode.call("POST", f"/slots/{k}?action=erase", {}, self.cfg.own_headers())
         except UpstreamError as e:
             self.log(f"erasing decode slot {k} failed: {e}")
 
@@ -354,6 +363,20 @@ def make_handler(router: Router) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:
             if self.path == "/linkctl/stats":
+                keys = router.cfg.api_keys
+                auth = self.headers.get("Authorization", "")
+                if keys and auth.removeprefix("Bearer ") not in keys:
+                    self._reply_json(
+                        401,
+                        {
+                            "error": {
+                                "code": 401,
+                                "type": "authentication_error",
+                                "message": "Invalid API Key",
+                            }
+                        },
+                    )
+                    return
                 self._reply_json(200, router.stats())
                 return
             self._relay("GET", self.path, None, {})
@@ -403,7 +426,7 @@ def make_handler(router: Router) -> type[BaseHTTPRequestHandler]:
                             f"request {o.id}: disaggregation failed at {o.stage} ({e}); "
                             "prefilling on the decode host"
                         )
-                        router.erase(k, hdrs)
+                        router.erase(k)
                 else:
                     o.route = "direct"
                 o.stage = "generate"
@@ -533,13 +556,15 @@ def _short(v: Any) -> str:
     return s if len(s) <= 60 else s[:57] + "..."
 
 
-def wait_props(up: Upstream, deadline_s: float, say: Callable[[str], None]) -> dict[str, Any]:
+def wait_props(
+    up: Upstream, deadline_s: float, say: Callable[[str], None], headers: dict[str, str]
+) -> dict[str, Any]:
     """/props of a server, waiting while it loads (503) or is not up yet."""
     deadline = time.monotonic() + deadline_s
     last = None
     while True:
         try:
-            return up.call("GET", "/props", timeout=5)
+            return up.call("GET", "/props", headers=headers, timeout=5)
         except UpstreamError as e:
             if time.monotonic() > deadline:
                 raise
@@ -561,8 +586,8 @@ def check_pair(
     say = say or (lambda _m: None)
     if cfg.prefill is None:
         return []
-    d = wait_props(cfg.decode, wait_s, say)
-    p = wait_props(cfg.prefill, wait_s, say)
+    d = wait_props(cfg.decode, wait_s, say, cfg.own_headers())
+    p = wait_props(cfg.prefill, wait_s, say, cfg.own_headers())
     diffs = compare_servers(d, p)
     if fingerprints:
         a, b = fingerprints

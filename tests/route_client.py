@@ -2,7 +2,8 @@
 
     python route_client.py OPS_JSON  ->  prints one JSON result per op (a JSON list)
 
-An op: {"port": P, "path": "/completion", "body": {...}, "stream": bool}, optionally
+An op: {"port": P, "path": "/completion", "body": {...}, "stream": bool, "headers": {...}},
+optionally
 "kill": {"status": PATH, "stages": [...]} to SIGKILL the child named in a supervisor
 status file while route reports one of those stages for the request.
 """
@@ -44,10 +45,12 @@ def prompt_of(n_tokens: int, seed: int = 0) -> str:
     return " ".join(out)[: n_tokens - 1]
 
 
-def post(port: int, path: str, body: dict, stream: bool) -> dict:
+def post(port: int, path: str, body: dict, stream: bool, headers: dict | None = None) -> dict:
     t0 = time.monotonic()
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    c.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    c.request(
+        "POST", path, json.dumps(body), {"Content-Type": "application/json"} | (headers or {})
+    )
     r = c.getresponse()
     headers = {k.lower(): v for k, v in r.getheaders()}
     out: dict = {"status": r.status, "headers": headers}
@@ -73,26 +76,28 @@ def post(port: int, path: str, body: dict, stream: bool) -> dict:
     return out
 
 
-def stats(port: int) -> dict:
+def stats(port: int, headers: dict | None = None) -> dict:
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    c.request("GET", "/linkctl/stats")
+    c.request("GET", "/linkctl/stats", headers=headers or {})
     d = json.loads(c.getresponse().read())
     c.close()
     return d
 
 
 def run(op: dict) -> dict:
-    kill = op.get("kill")
+    kill, hdrs = op.get("kill"), op.get("headers")
     if not kill:
-        return post(op["port"], op["path"], op["body"], op.get("stream", False))
+        return post(op["port"], op["path"], op["body"], op.get("stream", False), hdrs)
     result: dict = {}
     t = threading.Thread(
-        target=lambda: result.update(post(op["port"], op["path"], op["body"], op.get("stream")))
+        target=lambda: result.update(
+            post(op["port"], op["path"], op["body"], op.get("stream"), hdrs)
+        )
     )
     t.start()
     seen, deadline = None, time.monotonic() + 120
     while t.is_alive() and time.monotonic() < deadline:
-        stages = [i["stage"] for i in stats(op["port"])["inflight"]]
+        stages = [i["stage"] for i in stats(op["port"], hdrs)["inflight"]]
         hit = next((s for s in stages if s in kill["stages"]), None)
         if hit:
             with open(kill["status"]) as f:

@@ -24,14 +24,17 @@ pytestmark = [pytest.mark.netns, pytest.mark.llama]
 HERE = Path(__file__).resolve().parent
 DECODE, ROUTE = 8080, 9999
 THRESHOLD = 64
+KEY = "k" * 32
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def ops(lab, *items: dict, timeout: float = 600) -> list[dict]:
+    """Requests from inside mac, with the API key unless an op gives its own headers."""
     r = lab.exec(
         "mac",
         sys.executable,
         str(HERE / "route_client.py"),
-        json.dumps(list(items)),
+        json.dumps([{"headers": AUTH} | op for op in items]),
         timeout=timeout,
     )
     assert r.returncode == 0, r.stderr[-3000:]
@@ -75,7 +78,11 @@ def test_route_disaggregated_equals_decode_alone_stream_and_fallback(make_lab, t
     import tomli_w
 
     data = tomllib.loads(Path(lab.profile_path).read_text())
+    keyfile = tmp_path / "keys"
+    keyfile.write_text(KEY + "\n")
+    keyfile.chmod(0o600)
     data["serve"] |= {
+        "api_key_file": str(keyfile),
         "mode": "disaggregated",
         "model": model["path"],
         "ctx": 4096,
@@ -92,6 +99,7 @@ def test_route_disaggregated_equals_decode_alone_stream_and_fallback(make_lab, t
     argv = plan["argv"]
     assert argv[argv.index("--host") + 1] == "198.18.100.2"
     assert "--slot-save-path" in argv and argv[argv.index("--cache-ram") + 1] == "0"
+    assert argv[argv.index("--api-key-file") + 1] == str(keyfile)
 
     pre = Serve(lab, "dgx", "prefill", ["--profile", str(prof)], tmp_path / "dgx.log")
     head = None
@@ -168,6 +176,12 @@ def test_route_disaggregated_equals_decode_alone_stream_and_fallback(make_lab, t
         )
         # Short prompts go straight to the decode server.
         assert short["headers"]["x-linkctl-route"] == "direct" and short["status"] == 200
+        # Both servers want the API key: a client without it is refused, and nothing was
+        # prefilled for it (route could not even count its tokens).
+        (anon,) = ops(
+            lab, {"port": ROUTE, "path": "/completion", "body": greedy(long_prompt), "headers": {}}
+        )
+        assert anon["status"] == 401 and anon["headers"]["x-linkctl-route"] == "direct", anon
 
         # Kill the prefill server while route prefills there: the request still succeeds,
         # prefilled on the decode host, with the same tokens.

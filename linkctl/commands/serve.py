@@ -234,6 +234,8 @@ def _serve_disaggregated(prof, h, backend, bins, model, skip_probe, dry_run, jso
         # No model check here: the kv-agent starts first, so `model sync` can bring it.
         raise typer.Exit(disagg.run_prefill(plan, prof, h, backend))
     sv.model_path_check(plan.argv[plan.argv.index("-m") + 1])
+    # route listens where llama-server would (serve.host:serve.port): the same rule.
+    sys.stderr.write(f"linkctl: {sv.serve_auth(prof).summary().replace('llama-server', 'route')}\n")
     if skip_probe:
         warn_line("--skip-probe: serving without a passing probe report for this link")
     else:
