@@ -93,7 +93,7 @@ def spread(xs: list[float]) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lengths", default="16,256,1024,2048,4096,7000")
+    ap.add_argument("--lengths", default="16,256,1024,4096,7000")
     ap.add_argument("--output", type=int, default=32)
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--layers", type=int, default=8)

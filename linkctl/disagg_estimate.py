@@ -16,6 +16,8 @@ and the cell's position/sequence record that llama_state_seq_save_file writes
 (src/llama-kv-cache.cpp state_write_meta/state_write_data).
 
 The threshold is the shortest prompt for which disaggregated TTFT beats local TTFT.
+Prefill time is prompt / prefill_tok_s, but never less than one decode step of the
+same device (a forward pass reads every weight once, however short the prompt).
 """
 
 from __future__ import annotations
@@ -74,6 +76,12 @@ class DisaggEstimate:
         return asdict(self)
 
 
+def _prefill_s(sc, n: int) -> float:
+    """Prefill time of n tokens; never less than one decode step: a forward pass reads
+    every weight at least once, however few the tokens."""
+    return max(n / sc.prefill_tok_s, sc.decode_us / 1e6)
+
+
 def _alone(model, p, ctx: int, ngl: int, n_prompt: int):
     """The estimate's scenario for host ``p`` serving alone; None when the model does
     not fit it (disaggregation needs the whole model on each host)."""
@@ -118,7 +126,7 @@ def predict(
     for name, sc in (("local", est.local), ("split", est.split)):
         if sc is None:
             continue
-        prefill = n_prompt / sc.prefill_tok_s
+        prefill = _prefill_s(sc, n_prompt)
         tok = sc.decode_us / 1e6
         plans.append(
             PlanTime(
@@ -139,7 +147,7 @@ def predict(
         kv = kv_file_bytes(model, n_prompt)
         wire = kv * 8 / (link.throughput_gbps * 1e9)
         io = 2 * kv / (STATE_IO_GBS * 1e9)
-        prefill = n_prompt / alone.prefill_tok_s
+        prefill = _prefill_s(alone, n_prompt)
         tok = est.local.decode_us / 1e6
         transfer = wire + io + DISAGG_FIXED_S
         plans.append(
@@ -183,7 +191,7 @@ def _ttft_gain(model, head, pre, link, ctx: int, ngl: int, n: int) -> float:
         return float("-inf")
     kv = kv_file_bytes(model, n)
     transfer = kv * 8 / (link.throughput_gbps * 1e9) + 2 * kv / (STATE_IO_GBS * 1e9)
-    return n / loc.prefill_tok_s - (n / alone.prefill_tok_s + transfer + DISAGG_FIXED_S)
+    return _prefill_s(loc, n) - (_prefill_s(alone, n) + transfer + DISAGG_FIXED_S)
 
 
 def threshold(model, head, pre, link, ctx: int, ngl: int = 99) -> int | None:

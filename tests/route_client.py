@@ -20,7 +20,8 @@ import time
 
 
 def prompt_of(n_tokens: int, seed: int = 0) -> str:
-    """A text of n_tokens tokens for the tiny model (one token per byte, plus BOS)."""
+    """A text of n_tokens tokens for the tiny model: one token per byte, plus BOS; words
+    joined by '-' (a space would be SentencePiece's 3-byte U+2581, 3 tokens)."""
     words = [
         "the",
         "link",
@@ -39,10 +40,10 @@ def prompt_of(n_tokens: int, seed: int = 0) -> str:
         "other",
     ]
     out, i = [], seed
-    while len(" ".join(out)) < n_tokens:
+    while len("-".join(out)) < n_tokens:
         out.append(words[i % len(words)])
         i += 7
-    return " ".join(out)[: n_tokens - 1]
+    return "-".join(out)[: n_tokens - 1]
 
 
 def post(port: int, path: str, body: dict, stream: bool, headers: dict | None = None) -> dict:
