@@ -107,6 +107,10 @@ def test_route_disaggregated_equals_decode_alone_stream_and_fallback(make_lab, t
         # No model on dgx yet: the agent listens, llama-server waits for `model sync`.
         pre.wait(lambda s: s["state"] == "waiting", 60, "prefill waiting for the model")
         assert "run `linkctl model sync` on mac" in pre.text()
+        r = lab.run("dgx", "doctor", "--profile", str(prof), "--json")
+        lines = {ln["check"]: ln for ln in json.loads(r.stdout)}
+        assert lines["disagg model"]["verdict"] == "FAIL", lines["disagg model"]
+        assert "model sync" in lines["disagg model"]["fix"]
         r = lab.run("mac", "model", "sync", "--profile", str(prof), "--json")
         assert r.returncode == 0, r.stderr
         synced = json.loads(r.stdout)
@@ -121,6 +125,10 @@ def test_route_disaggregated_equals_decode_alone_stream_and_fallback(make_lab, t
         route_status = head.status_path.with_name("route.json")
         head.wait(lambda s: route_status.exists(), 60, "route listening")
         assert "match: build" in head.text()
+        r = lab.run("mac", "doctor", "--profile", str(prof), "--json")
+        lines = {ln["check"]: ln for ln in json.loads(r.stdout)}
+        for check in ("disagg model", "slot directory", "kv-agent", "servers match"):
+            assert lines[check]["verdict"] == "PASS", lines[check]
 
         long_prompt = prompt_of(300)
         ref, via, streamed, ref_chat, via_chat, short = ops(
