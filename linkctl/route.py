@@ -173,6 +173,7 @@ class Outcome:
             "prompt_tokens",
             "slot",
             "prefill_s",
+            "save_s",
             "transfer_bytes",
             "transfer_s",
             "restore_s",
