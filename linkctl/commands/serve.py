@@ -141,6 +141,14 @@ def register(app: typer.Typer) -> None:
             return sv.choose_split(prof, model or prof.serve.model, split, calibration=calibration)
 
         if prof.serve.mode == "disaggregated":
+            if verify or prof.serve.verify:
+                from linkctl.errors import InputError
+
+                raise InputError(
+                    "--verify / serve.verify checks a layer split, and serve.mode = "
+                    '"disaggregated" runs none (each host holds the whole model)',
+                    'drop --verify / serve.verify, or use serve.mode = "split"',
+                )
             _serve_disaggregated(prof, h, backend, bins, model, skip_probe, dry_run, json_)
             return
         if dry_run:
