@@ -44,7 +44,8 @@ def server_argv(profile: Profile, binary: str, model: str, host: str, port: int)
     argv += ["--cache-ram", "0"]
     if s.api_key_file:
         # Both servers check the key: route forwards the client's Authorization header
-        # on every call it makes upstream (linkctl.route._client_headers).
+        # on every call made for the client (linkctl.route._client_headers) and uses
+        # the first key for its own (/props, slot actions: RouteConfig.own_headers).
         argv += ["--api-key-file", s.api_key_file]
     if s.threads:
         argv += ["-t", str(s.threads)]
@@ -172,10 +173,6 @@ def run_prefill(
     from linkctl.supervise import ChildSpec, Supervisor
 
     check_bind_on_link(host, backend)
-    if profile.serve.api_key_file:  # the prefill llama-server loads the same keys
-        from linkctl.serve import read_api_keys
-
-        read_api_keys(profile.serve.api_key_file)
     for d in (kv_dir(), models_dir()):
         d.mkdir(parents=True, exist_ok=True)
     say = _say(log, "kv-agent")

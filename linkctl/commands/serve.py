@@ -209,9 +209,8 @@ def _serve_disaggregated(prof, h, backend, bins, model, skip_probe, dry_run, jso
 
     # route listens on serve.host: the same API rule as the split mode; the prefill
     # host's llama-server reads the same key file (its path, on that host).
-    if h.role == "head":
-        sv.serve_auth(prof)
-    elif prof.serve.api_key_file:
+    auth = sv.serve_auth(prof) if h.role == "head" else None
+    if auth is None and prof.serve.api_key_file:
         sv.read_api_keys(prof.serve.api_key_file)
     binary = bins.llama_server.path if bins.llama_server else "llama-server"
     plan = disagg.build_plan(prof, h, binary, model)
@@ -242,8 +241,8 @@ def _serve_disaggregated(prof, h, backend, bins, model, skip_probe, dry_run, jso
         # No model check here: the kv-agent starts first, so `model sync` can bring it.
         raise typer.Exit(disagg.run_prefill(plan, prof, h, backend))
     sv.model_path_check(plan.argv[plan.argv.index("-m") + 1])
-    # route listens where llama-server would (serve.host:serve.port): the same rule.
-    sys.stderr.write(f"linkctl: {sv.serve_auth(prof).summary().replace('llama-server', 'route')}\n")
+    assert auth is not None
+    sys.stderr.write(f"linkctl: {auth.summary().replace('llama-server', 'route')}\n")
     if skip_probe:
         warn_line("--skip-probe: serving without a passing probe report for this link")
     else:
