@@ -532,9 +532,9 @@ class _Server:
     """One llama-server on 127.0.0.1, stopped by its own pid on exit."""
 
     def __init__(self, argv: list[str], log: Path, runner):
-        from linkctl.llama import _free_port
+        from linkctl.llama import free_port
 
-        self.port = _free_port()
+        self.port = free_port()
         self.argv = [*argv, "--host", "127.0.0.1", "--port", str(self.port)]
         self.log = log
         self._fh = log.open("w")
