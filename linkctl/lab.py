@@ -375,3 +375,33 @@ def exec_argv(lab: Lab, host: str, argv: list[str]) -> tuple[list[str], dict[str
         LINKCTL_LAB=lab.name,
     )
     return ["ip", "netns", "exec", h.netns, *argv], env
+
+
+def unplug(lab: Lab) -> None:
+    """Pull every link cable: delete each host's link port (its veth peer goes with it)."""
+    from pyroute2 import IPRoute
+
+    for h in lab.hosts:
+        with IPRoute(netns=h.netns) as ipr:
+            idx = ipr.link_lookup(ifname=h.interface)
+            if idx:
+                ipr.link("del", index=idx[0])
+
+
+def plug(lab: Lab) -> None:
+    """Plug the cables back in: fresh ports, down at MTU 1500, like `lab up` made them."""
+    _wire_link(lab)
+
+
+def reset_port(lab: Lab, host: str) -> None:
+    """What a reboot does to a host's NIC: no address, MTU 1500, down. (A lab host's
+    port lives in its namespace, which outlives the processes that configured it.)"""
+    from pyroute2 import IPRoute
+
+    h = lab.host(host)
+    with IPRoute(netns=h.netns) as ipr:
+        idx = ipr.link_lookup(ifname=h.interface)
+        if not idx:
+            return
+        ipr.flush_addr(index=idx[0])
+        ipr.link("set", index=idx[0], state="down", mtu=1500)

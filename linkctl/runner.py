@@ -90,14 +90,22 @@ class Runner:
         stderr: Any = subprocess.DEVNULL,
         env: dict[str, str] | None = None,
         new_session: bool = False,
+        cgroups: Sequence[str] = (),
     ) -> subprocess.Popen:
         """Start a long-running child (a server) and return it; the caller stops it.
 
         argv list only, recorded in ``history`` like ``run``. A missing binary is
-        an InputError, not a traceback.
+        an InputError, not a traceback. ``cgroups``: cgroup directories the child
+        joins before it runs ``argv`` (a container launcher's own cgroup).
         """
         argv = tuple(str(a) for a in argv)
         self.history.append(argv)
+
+        def join_cgroups() -> None:
+            for d in cgroups:
+                with open(f"{d}/cgroup.procs", "w") as f:
+                    f.write("0")  # 0: the writing process itself
+
         try:
             return subprocess.Popen(
                 argv,
@@ -106,6 +114,7 @@ class Runner:
                 stderr=stderr,
                 env=env,
                 start_new_session=new_session,
+                preexec_fn=join_cgroups if cgroups else None,
             )
         except FileNotFoundError:
             raise InputError(
