@@ -353,6 +353,10 @@ class Image:
     wheel: Path
     packages: tuple[str, ...]
 
+    def discard(self) -> None:
+        """Remove the per-run wheel (the cached layers stay)."""
+        shutil.rmtree(self.wheel.parent, ignore_errors=True)
+
 
 def prepare(
     runner: Runner | None = None,
@@ -366,7 +370,10 @@ def prepare(
     packages = PACKAGES + (NM_PACKAGES if network_manager else ())
     base = build_base(Recipe(apt_source(), packages), runner, log)
     deps = build_deps(base, host_wheels(runner, log=log), runner, log)
-    wheel = linkctl_wheel(runner, work / f"wheel-{os.getpid()}")
+    import tempfile
+
+    work.mkdir(parents=True, exist_ok=True)
+    wheel = linkctl_wheel(runner, Path(tempfile.mkdtemp(prefix="wheel-", dir=work)))
     return Image([deps, base], wheel, packages)
 
 
@@ -464,7 +471,11 @@ class Container:
         log.flush()
         try:
             self.proc = self.runner.spawn(
-                argv, stdout=log, stderr=subprocess.STDOUT, env=env, cgroups=list(map(str, self.cgroups))
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cgroups=list(map(str, self.cgroups)),
             )
         finally:
             log.close()
@@ -676,7 +687,9 @@ def leftovers(names: list[str], lab_name: str) -> list[str]:
     mounts = Path("/proc/self/mounts").read_text()
     out += [line.split()[1] for line in mounts.splitlines() if str(WORK) in line.split()[1]]
     if os.path.isdir("/run/netns"):
-        out += [f"netns {ns}" for ns in os.listdir("/run/netns") if ns.startswith(f"lk-{lab_name}-")]
+        out += [
+            f"netns {ns}" for ns in os.listdir("/run/netns") if ns.startswith(f"lk-{lab_name}-")
+        ]
     return out
 
 
@@ -703,6 +716,15 @@ def cleanup_on_exit(fns: list[Callable[[], object]]) -> Iterator[None]:
 
 # ---- a lab of booted hosts -----------------------------------------------------------------
 
+COMPLETE = """
+import json, sys, urllib.request
+body = json.dumps({"prompt": sys.argv[2], "n_predict": int(sys.argv[3]), "temperature": 0,
+                   "cache_prompt": False}).encode()
+req = urllib.request.Request(sys.argv[1], body, {"Content-Type": "application/json"})
+with urllib.request.urlopen(req, timeout=float(sys.argv[4])) as r:
+    print(r.read().decode())
+"""
+
 
 def boot_profile_text(lab_profile_path: Path, model: str | None) -> str:
     """The lab's profile with every host running Linux (each is a Linux container; the
@@ -720,17 +742,60 @@ def boot_profile_text(lab_profile_path: Path, model: str | None) -> str:
     return f"# boot lab: {lab_profile_path} with os=linux everywhere\n" + tomli_w.dumps(data)
 
 
+def llama_dir() -> Path | None:
+    """The cached llama.cpp build (its version directory) the containers bind read-only,
+    so that `linkctl serve` inside finds it where it would on a real host."""
+    from linkctl.llama import find_bins
+
+    bins = find_bins(versions=False)
+    if bins.rpc_server is None or bins.llama_server is None:
+        return None
+    d = Path(bins.llama_server.path).parent.parent
+    return d if (d / ".complete").is_file() else None
+
+
+def unit_props(c: Container, unit: str, *props: str) -> dict[str, str]:
+    r = c.exec(["systemctl", "show", unit, "-p", ",".join(props)], check=False, timeout=30)
+    return dict(line.split("=", 1) for line in r.stdout.splitlines() if "=" in line)
+
+
+def completion(c: Container, port: int, prompt: str = "hello", n: int = 8) -> dict | None:
+    """One completion through the llama-server in ``c`` (None when it does not answer)."""
+    url = f"http://127.0.0.1:{port}/completion"
+    try:
+        r = c.exec(["python3", "-c", COMPLETE, url, prompt, str(n), "20"], check=False, timeout=40)
+    except InputError:
+        return None
+    if not r.ok:
+        return None
+    try:
+        return json.loads(r.stdout)
+    except ValueError:
+        return None
+
+
+def wait_for(pred: Callable[[], object], timeout: float, what: str, step: float = 0.25) -> float:
+    """Poll ``pred`` until truthy; returns the seconds it took (InputError after timeout)."""
+    t0 = time.monotonic()
+    while True:
+        if pred():
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            raise InputError(f"{what}: not within {timeout:g} s")
+        time.sleep(step)
+
+
 @dataclass
 class BootLab:
     """The profile's hosts as booted containers on a lab (`linkctl lab up`) of their own.
 
     Use as a context manager: everything is removed at the end, whatever ends it."""
 
-    profile_name: str
+    profile: object  # linkctl.profile.Profile
     name: str
     image: Image
-    llama_bin_dir: str | None = None
-    model: Path | None = None  # the head's GGUF, bound read-only at MODEL_DIR
+    llama: Path | None = None  # llama.cpp version directory, bound read-only
+    model: Path | None = None  # the head's GGUF, its directory bound read-only at MODEL_DIR
     runner: Runner = field(default_factory=default_runner)
     log: Log = _quiet
     containers: dict[str, Container] = field(default_factory=dict)
@@ -753,9 +818,8 @@ class BootLab:
 
     def up(self) -> None:
         from linkctl import lab as labmod
-        from linkctl.profile import load_profile
 
-        profile, _ = load_profile(self.profile_name)
+        profile = self.profile
         self._undo.append(lambda: labmod.down(self.name))
         self.lab = labmod.up(profile, self.name)
         text = boot_profile_text(
@@ -764,11 +828,10 @@ class BootLab:
         )
         self.profile_in_container = f"/root/{profile.name}-lab.toml"
         for h in self.lab.hosts:
-            spec = profile.host(h.name)
             binds = []
-            if self.llama_bin_dir:
-                binds.append(Bind(self.llama_bin_dir, self.llama_bin_dir))
-            if self.model and spec.role == "head":
+            if self.llama:
+                binds.append(Bind(str(self.llama), str(self.llama)))
+            if self.model and profile.host(h.name).role == "head":
                 binds.append(Bind(str(self.model.parent), MODEL_DIR))
             c = Container(f"{self.name}-{h.name}", h.netns, self.image, binds, runner=self.runner)
             self._undo.append(c.destroy)
@@ -776,6 +839,28 @@ class BootLab:
             (c.root / self.profile_in_container.lstrip("/")).write_text(text)
             self.containers[h.name] = c
         self.boot_all()
+
+    def down(self) -> None:
+        """Remove everything now (idempotent: a second call finds nothing to do)."""
+        self.__exit__(None, None, None)
+        self._undo.clear()
+
+    def linkctl(self, host: str, *args: str, timeout: float = 180) -> Result:
+        """`linkctl ARGS` run by root inside ``host``'s container, as a user would."""
+        return self.containers[host].exec(
+            [f"{VENV}/bin/linkctl", *args], check=False, timeout=timeout
+        )
+
+    def install_services(self) -> dict[str, Result]:
+        """`linkctl service install --profile P` in every container (the real command:
+        it writes the container's /etc/systemd/system and enables the units)."""
+        out = {}
+        for n in self.containers:
+            r = self.linkctl(n, "service", "install", "--profile", self.profile_in_container)
+            if not r.ok:
+                raise InputError(f"service install on {n} failed: {(r.stderr or r.stdout)[-500:]}")
+            out[n] = r
+        return out
 
     def boot_all(self, which: list[str] | None = None, timeout: float = 180.0) -> float:
         """Start the containers (their ports reset, as a power-on resets a NIC) and wait
@@ -811,3 +896,10 @@ class BootLab:
 
     def container_names(self) -> list[str]:
         return [c.name for c in self.containers.values()]
+
+    def head(self) -> Container:
+        return self.containers[self.profile.head.name]
+
+    def answers(self) -> dict | None:
+        """A completion through the head's llama-server (None when the pair does not answer)."""
+        return completion(self.head(), self.profile.serve.port)

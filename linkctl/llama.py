@@ -43,7 +43,20 @@ from linkctl.runner import Runner, default_runner
 
 RPC_NAMES = ("ggml-rpc-server", "rpc-server")
 SERVER_NAMES = ("llama-server",)
-CACHE_ROOTS = (Path("/var/cache/linkctl/llama.cpp"), Path.home() / ".cache/linkctl/llama.cpp")
+
+
+def _cache_roots() -> tuple[Path, ...]:
+    """The system cache, then the user's. A systemd DynamicUser has no home (no HOME,
+    no passwd entry without nss-systemd): Path.home() raises there, so the user's
+    cache is skipped rather than crashing `linkctl serve` at import."""
+    try:
+        user = Path.home() / ".cache/linkctl/llama.cpp"
+    except RuntimeError:
+        return (Path("/var/cache/linkctl/llama.cpp"),)
+    return (Path("/var/cache/linkctl/llama.cpp"), user)
+
+
+CACHE_ROOTS = _cache_roots()
 HOMEBREW_BINS = (Path("/opt/homebrew/bin"), Path("/usr/local/bin"))
 
 

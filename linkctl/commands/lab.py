@@ -228,5 +228,80 @@ def render_demo(r: dict) -> None:
     )
 
 
+@lab_app.command("boot")
+def lab_boot(
+    profile: ProfileOpt = None,
+    name: NameOpt = "boot",
+    install: Annotated[
+        bool,
+        typer.Option(
+            "--install",
+            help="Run `linkctl service install` in every container, then reboot them.",
+        ),
+    ] = False,
+    hold: Annotated[
+        float,
+        typer.Option("--hold", help="Seconds to keep them running (0: until Ctrl-C)."),
+    ] = 0.0,
+    json_: JsonOpt = False,
+) -> None:
+    """Boot every profile host as a container with systemd as PID 1, in a lab of its own.
+
+    A Debian rootfs (mmdebstrap, cached under /var/cache/linkctl/rootfs) with linkctl
+    installed from a wheel of this checkout; each host boots inside its lab namespace
+    (link port named like the profile's interface, WiFi router for the default route),
+    with the llama.cpp build bound read-only. Runs until Ctrl-C (or --hold seconds),
+    then removes every container, mount, cgroup and namespace it made.
+
+    Examples:
+      linkctl lab boot --install
+      linkctl lab boot --profile dgx2-mac-switch --hold 60
+    """
+    import time
+
+    from linkctl import boot
+    from linkctl.errors import InputError
+
+    prof, _ = load(profile)
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    image = boot.prepare(log=say)
+    try:
+        llama = boot.llama_dir()
+        if install and llama is None:
+            raise InputError(
+                "--install needs the llama.cpp build", "run scripts/build-llama.sh first"
+            )
+        with boot.BootLab(prof, name, image, llama, log=say) as bl:
+            if install:
+                bl.install_services()
+                say(f"installed the services; rebooted in {bl.reboot_all():.1f} s")
+            hosts = {
+                h: {"container": c.name, "pid1": c.leader(), "netns": c.netns}
+                for h, c in bl.containers.items()
+            }
+            if json_:
+                print_json({"lab": name, "profile": prof.name, "hosts": hosts})
+            else:
+                for h, info in hosts.items():
+                    console.print(
+                        f"  {h:8} {info['container']:20} PID 1 = {info['pid1']}  "
+                        f"enter: nsenter -t {info['pid1']} -a bash",
+                        markup=False,
+                    )
+            print("booted; Ctrl-C stops and removes everything", file=sys.stderr, flush=True)
+            end = time.monotonic() + hold if hold > 0 else float("inf")
+            while time.monotonic() < end:
+                time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("interrupted: containers and lab removed", file=sys.stderr)
+        raise typer.Exit(130) from None
+    finally:
+        image.discard()
+    print("containers and lab removed", file=sys.stderr)
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(lab_app, name="lab")
