@@ -45,9 +45,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from linkctl.errors import InputError
-from linkctl.paths import REPO_ROOT
 from linkctl.runner import Result, Runner, default_runner
 
+# The checkout the wheel is built from (the harness runs from a source tree).
+REPO_ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path("/var/cache/linkctl")
 WORK = Path("/var/tmp/linkctl-boot")
 CGROUP_ROOTS = (Path("/sys/fs/cgroup/systemd"), Path("/sys/fs/cgroup/unified"))

@@ -1,0 +1,307 @@
+"""The rendered units under a real systemd as PID 1: both hosts of dgx-mac booted as
+containers (systemd-nspawn, a Debian rootfs built with mmdebstrap) inside the lab's
+namespaces, through install + reboot, kill -9, a pulled cable, a power cut and
+uninstall + reboot. Nobody runs linkctl inside after `service install`: whatever
+comes up, systemd started. The Mac is played by a Linux container in the head role.
+
+The tests run in order on one booted lab (module fixture); the last ones remove it
+and prove the host is as before. Figures (seconds) print at the end (pytest -s).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+from conftest import need_root_netns, need_tool
+from llama_util import need_llama
+
+from linkctl import boot
+from linkctl import lab as labmod
+from linkctl.profile import load_profile
+from linkctl.service import device_unit
+from linkctl.tinymodel import TinySpec, write_tiny_llama
+
+pytestmark = [pytest.mark.netns, pytest.mark.llama]
+
+FIGURES: dict[str, float] = {}
+UNITS = ("linkctl-link.service", "linkctl-responder.service", "linkctl-serve.service")
+SERVERS = {"rpc": "ggml-rpc-server", "head": "llama-server"}
+DEADLINE = 240.0  # generous: other jobs share the 2 cores
+
+PIDS = r"""
+import os, sys
+for p in os.listdir("/proc"):
+    if p.isdigit():
+        try:
+            if open(f"/proc/{p}/comm").read().strip() == sys.argv[1]:
+                print(p)
+        except OSError:
+            pass
+"""
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def pids(c: boot.Container, comm: str) -> list[int]:
+    r = c.exec(["python3", "-c", PIDS, comm[:15]], timeout=30)
+    return [int(x) for x in r.stdout.split()]
+
+
+def kill9(c: boot.Container, pid: int) -> None:
+    c.exec(["python3", "-c", f"import os, signal; os.kill({pid}, signal.SIGKILL)"], timeout=30)
+
+
+def port(c: boot.Container, ifname: str) -> dict:
+    link = json.loads(c.exec(["ip", "-j", "addr", "show", "dev", ifname]).stdout)[0]
+    return {
+        "mtu": link["mtu"],
+        "up": "UP" in link["flags"],
+        "inet": sorted(
+            f"{a['local']}/{a['prefixlen']}" for a in link["addr_info"] if a["family"] == "inet"
+        ),
+    }
+
+
+def default_route(c: boot.Container) -> list[str]:
+    return [r["dev"] for r in json.loads(c.exec(["ip", "-j", "route", "show", "default"]).stdout)]
+
+
+def record(what: str, seconds: float) -> None:
+    FIGURES[what] = round(seconds, 1)
+    say(f"boot figure: {what}: {seconds:.1f} s")
+
+
+@pytest.fixture(scope="module")
+def host_before():
+    need_root_netns()
+    return boot.host_snapshot()
+
+
+@pytest.fixture(scope="module")
+def image(host_before):
+    need_tool("mmdebstrap")
+    need_tool("systemd-nspawn")
+    need_llama()
+    t0 = time.monotonic()
+    img = boot.prepare(log=say)
+    record(
+        "prepare (rootfs + deps layer cached after the first run; linkctl wheel)",
+        time.monotonic() - t0,
+    )
+    yield img
+    img.discard()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("model")
+    path = d / "tiny.gguf"
+    write_tiny_llama(path, TinySpec(n_layer=4, n_embd=128, n_ff=256))
+    # Readable by the serve unit's DynamicUser through the read-only bind.
+    os.chmod(d, 0o755)
+    os.chmod(path, 0o644)
+    return path
+
+
+@pytest.fixture(scope="module")
+def blab(image, model):
+    profile, _ = load_profile("dgx-mac")
+    llama = boot.llama_dir()
+    assert llama is not None, "llama.cpp build not found"
+    bl = boot.BootLab(profile, "b" + uuid.uuid4().hex[:7], image, llama, model, log=say)
+    t0 = time.monotonic()
+    bl.__enter__()
+    record("lab up + 2 containers created + first boot", time.monotonic() - t0)
+    yield bl
+    bl.down()
+    if FIGURES:
+        say("boot figures: " + json.dumps(FIGURES, indent=1))
+
+
+def wait_answers(bl: boot.BootLab, what: str, timeout: float = DEADLINE) -> float:
+    return boot.wait_for(bl.answers, timeout, f"{what}: a completion through the head", step=0.5)
+
+
+def test_install_then_reboot_brings_everything_up(blab):
+    bl = blab
+    spec = {h.name: h for h in bl.profile.hosts}
+    lab_hosts = {h.name: h for h in bl.lab.hosts}
+    before = {n: port(c, spec[n].interface) for n, c in bl.containers.items()}
+    for n, p in before.items():
+        assert p == {"mtu": 1500, "up": False, "inet": []}, (n, p)
+    res = bl.install_services()
+    for n, c in bl.containers.items():
+        for u in UNITS:
+            assert (c.root / "etc/systemd/system" / u).is_file(), res[n].stdout
+    t0 = time.monotonic()
+    record("reboot of both (systemctl reboot) to booted", bl.reboot_all())
+    wait_answers(bl, "after install + reboot")
+    record("reboot command to first completion through the pair", time.monotonic() - t0)
+    for n, c in bl.containers.items():
+        h = spec[n]
+        dev = device_unit(h.interface)
+        d = boot.unit_props(c, dev, "ActiveState", "ActiveEnterTimestampMonotonic")
+        assert d["ActiveState"] == "active", (n, d)
+        link = boot.unit_props(
+            c, UNITS[0], "ActiveState", "Result", "SubState", "ExecMainStartTimestampMonotonic"
+        )
+        assert (link["ActiveState"], link["SubState"], link["Result"]) == (
+            "active",
+            "exited",
+            "success",
+        ), (n, link, c.exec(["journalctl", "-b", "-u", UNITS[0], "--no-pager"]).stdout[-3000:])
+        # The link unit ran once its device unit appeared, not before.
+        assert int(link["ExecMainStartTimestampMonotonic"]) >= int(
+            d["ActiveEnterTimestampMonotonic"]
+        )
+        # The probe gate passed: the journal has the probe's verdict, the unit succeeded.
+        assert port(c, h.interface) == {
+            "mtu": bl.profile.link.mtu,
+            "up": True,
+            "inet": [lab_hosts[n].address],
+        }
+        assert default_route(c) == [labmod.WIFI_IF], n
+        for u in UNITS[1:]:
+            st = boot.unit_props(c, u, "ActiveState", "SubState")
+            assert st == {"ActiveState": "active", "SubState": "running"}, (n, u, st)
+        assert pids(c, SERVERS[h.role]), (n, SERVERS[h.role])
+    out = bl.answers()
+    assert out and out.get("tokens_predicted", 0) > 0, out
+
+
+@pytest.mark.parametrize("role", ["rpc", "head"])
+def test_kill9_server_recovers(blab, role):
+    """kill -9 of rpc-server / llama-server: its supervisor (`linkctl serve`, a systemd
+    unit) starts it again and the pair answers again."""
+    bl = blab
+    host = bl.profile.head if role == "head" else bl.profile.rpc_hosts[0]
+    c = bl.containers[host.name]
+    assert bl.answers()
+    old = pids(c, SERVERS[role])
+    assert len(old) == 1, old
+    t0 = time.monotonic()
+    kill9(c, old[0])
+    boot.wait_for(lambda: not bl.answers(), 30, f"{SERVERS[role]} killed", step=0.2)
+    wait_answers(bl, f"after kill -9 of {SERVERS[role]}")
+    record(f"kill -9 {SERVERS[role]} to a completion again", time.monotonic() - t0)
+    new = pids(c, SERVERS[role])
+    assert new and new != old
+
+
+def test_kill9_serve_unit_restarted_by_systemd(blab):
+    """kill -9 of the rpc host's `linkctl serve` (the unit's main process): systemd
+    (Restart=on-failure) starts the unit again; the head's serve brings llama-server
+    back once rpc-server answers."""
+    bl = blab
+    c = bl.containers[bl.profile.rpc_hosts[0].name]
+    st = boot.unit_props(c, UNITS[2], "MainPID", "NRestarts")
+    t0 = time.monotonic()
+    kill9(c, int(st["MainPID"]))
+    boot.wait_for(
+        lambda: int(boot.unit_props(c, UNITS[2], "NRestarts")["NRestarts"]) > int(st["NRestarts"]),
+        60,
+        "systemd restarting linkctl-serve",
+    )
+    wait_answers(bl, "after kill -9 of the rpc host's linkctl serve")
+    record(
+        "kill -9 rpc host's linkctl serve (systemd restart) to a completion", time.monotonic() - t0
+    )
+
+
+def test_unplugged_cable_link_units_stop_and_come_back(blab):
+    bl = blab
+    assert bl.answers()
+    labmod.unplug(bl.lab)
+    for n, c in bl.containers.items():
+        boot.wait_for(
+            lambda c=c: boot.unit_props(c, UNITS[0], "ActiveState")["ActiveState"] == "inactive",
+            60,
+            f"{n}: link unit stopping with its device",
+        )
+        assert boot.unit_props(c, UNITS[2], "ActiveState")["ActiveState"] == "inactive"
+    assert not bl.answers()
+    t0 = time.monotonic()
+    labmod.plug(bl.lab)
+    wait_answers(bl, "after the cable came back")
+    record("cable re-plugged to a completion again", time.monotonic() - t0)
+    for n, c in bl.containers.items():
+        st = boot.unit_props(c, UNITS[0], "ActiveState", "Result")
+        assert st == {"ActiveState": "active", "Result": "success"}, (n, st)
+        assert port(c, bl.profile.host(n).interface)["mtu"] == bl.profile.link.mtu
+
+
+def test_power_cut_then_boot(blab):
+    bl = blab
+    bl.power_cut_all()
+    for c in bl.containers.values():
+        assert not c.running
+    t0 = time.monotonic()
+    bl.boot_all()
+    wait_answers(bl, "after a power cut and boot")
+    record("power cut, boot to a completion again", time.monotonic() - t0)
+
+
+def test_uninstall_then_reboot_nothing_runs(blab):
+    bl = blab
+    for n in bl.containers:
+        r = bl.linkctl(n, "service", "uninstall")
+        assert r.ok, r.stderr
+    bl.reboot_all()
+    for n, c in bl.containers.items():
+        h = bl.profile.host(n)
+        left = c.exec(
+            ["find", "/etc/systemd/system", "/etc/linkctl", "-name", "*linkctl*"], check=False
+        )
+        assert left.stdout.strip() == "", left.stdout
+        units = c.exec(["systemctl", "list-units", "--all", "--no-legend", "linkctl*"]).stdout
+        assert units.strip() == "", units
+        for comm in ("linkctl", "ggml-rpc-server", "llama-server", "iperf3"):
+            assert pids(c, comm) == [], (n, comm)
+        assert port(c, h.interface) == {"mtu": 1500, "up": False, "inet": []}
+        assert default_route(c) == [labmod.WIFI_IF]
+
+
+def test_teardown_leaves_nothing_and_host_unchanged(blab, host_before):
+    names, lab_name = blab.container_names(), blab.name
+    blab.down()
+    assert boot.leftovers(names, lab_name) == []
+    assert boot.snapshot_diff(host_before, boot.host_snapshot()) == []
+
+
+def test_ctrl_c_removes_everything(image, host_before):
+    """`linkctl lab boot` interrupted while its containers run removes them all."""
+    name = "c" + uuid.uuid4().hex[:7]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "linkctl", "lab", "boot", "--name", name],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + DEADLINE
+        lines = []
+        while time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            lines.append(line)
+            if "booted; Ctrl-C" in line or not line:
+                break
+        assert "booted; Ctrl-C" in lines[-1], "".join(lines)
+        names = [f"{name}-dgx", f"{name}-mac"]
+        assert all((boot.WORK / n).is_dir() for n in names)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(120) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert boot.leftovers(names, name) == []
+    assert boot.snapshot_diff(host_before, boot.host_snapshot()) == []
