@@ -387,7 +387,8 @@ def test_absent_peer_fails_within_timeout(lab):
 
 
 @pytest.mark.netns
-def test_busy_iperf3_server_reason(lab):
+def test_busy_iperf3_server_reason(lab, monkeypatch):
+    monkeypatch.setenv("LINKCTL_IPERF_BUSY_WAIT_S", "2")
     _setup(lab)
     with responder(lab, "dgx"):
         # Another client holds the peer's iperf3 server.
@@ -416,6 +417,28 @@ def test_busy_iperf3_server_reason(lab):
             hog.wait(10)
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert "busy running another test" in data["stopped"]
+    assert "(waited 2 s)" in data["stopped"]
+
+
+@pytest.mark.netns
+def test_busy_iperf3_server_is_waited_for(lab):
+    """Two gates probing each other at once: the one that finds the server busy waits."""
+    _setup(lab)
+    with responder(lab, "dgx"):
+        hog = subprocess.Popen(
+            ["ip", "netns", "exec", lab.netns("mac"), "iperf3", "-c", "198.18.100.2",
+             "-t", "3", "-b", "100M"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            time.sleep(1.0)
+            r, data, _ = _probe(lab, "--samples", "100")
+        finally:
+            hog.terminate()
+            hog.wait(10)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert all(t["gbps"] > 0 for t in data["throughput"].values())
 
 
 @pytest.mark.netns

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import random
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +22,19 @@ from linkctl.probe.responder import IPERF_HINT
 from linkctl.runner import Runner
 
 RUNS = (("fwd_p1", False, 1), ("rev_p1", True, 1), ("fwd_p4", False, 4), ("rev_p4", True, 4))
+# Both hosts' boot gates probe each other at the same moment (after a boot or a
+# re-plugged cable), and each peer's iperf3 server takes one test at a time: a busy
+# server is waited for, with random backoff so the two gates fall out of step,
+# for up to this long per run (the other probe's four runs take ~6 s);
+# LINKCTL_IPERF_BUSY_WAIT_S overrides it (0: fail at once).
+BUSY_WAIT_S = 45.0
+
+
+def busy_wait_s() -> float:
+    try:
+        return float(os.environ.get("LINKCTL_IPERF_BUSY_WAIT_S", BUSY_WAIT_S))
+    except ValueError:
+        return BUSY_WAIT_S
 
 
 class IperfError(Exception):
@@ -27,6 +43,10 @@ class IperfError(Exception):
     def __init__(self, message: str, code: int = 2):
         self.code = code
         super().__init__(message)
+
+
+class IperfBusy(IperfError):
+    """The peer's iperf3 server is running another client's test."""
 
 
 def iperf_seconds(duration_s: float) -> int:
@@ -80,7 +100,7 @@ def run_iperf(
         low = err.lower()
         where = f"{peer_ip}:{port}"
         if "busy" in low:
-            raise IperfError(
+            raise IperfBusy(
                 f"iperf3 server on {where} is busy running another test; retry when it finishes"
             )
         if "connection refused" in low:
@@ -121,14 +141,22 @@ def measure(
     for key, reverse, streams in runs:
         if on_run:
             on_run(key, seconds)
-        out[key] = run_iperf(
-            runner,
-            peer_ip,
-            src_ip,
-            port,
-            seconds=seconds,
-            streams=streams,
-            reverse=reverse,
-            timeout_s=timeout_s,
-        )
+        deadline = time.monotonic() + busy_wait_s()
+        while True:
+            try:
+                out[key] = run_iperf(
+                    runner,
+                    peer_ip,
+                    src_ip,
+                    port,
+                    seconds=seconds,
+                    streams=streams,
+                    reverse=reverse,
+                    timeout_s=timeout_s,
+                )
+                break
+            except IperfBusy as e:
+                if time.monotonic() > deadline:
+                    raise IperfBusy(f"{e} (waited {busy_wait_s():g} s)") from None
+                time.sleep(random.uniform(0.5, 2.0))
     return out
