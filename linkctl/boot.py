@@ -623,7 +623,8 @@ _VOLATILE_SYSCTL = (
 def host_snapshot() -> dict[str, object]:
     """This machine's own state the containers must not touch: every readable sysctl
     (minus counters), the host namespace's links, addresses and routes, and the
-    writable attributes of its network devices in /sys."""
+    writable attributes of its network devices in /sys. (Named namespaces are not in
+    it: other labs come and go; `leftovers` checks this lab's own.)"""
 
     def read(p: Path) -> str | None:
         try:
@@ -657,7 +658,6 @@ def host_snapshot() -> dict[str, object]:
         "links": links,
         "addrs": ip("addr", "show"),
         "routes": ip("route", "show", "table", "all"),
-        "netns": sorted(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else [],
     }
 
 
@@ -670,7 +670,7 @@ def snapshot_diff(before: dict, after: dict) -> list[str]:
                 if a.get(k) != b.get(k):
                     out.append(f"{section} {k}: {a.get(k)!r} -> {b.get(k)!r}")
         elif a != b:
-            out.append(f"{section} changed")
+            out.append(f"{section} changed: {a!r} -> {b!r}"[:2000])
     return out
 
 

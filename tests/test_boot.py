@@ -31,6 +31,7 @@ from linkctl.tinymodel import TinySpec, write_tiny_llama
 pytestmark = [pytest.mark.netns, pytest.mark.llama]
 
 FIGURES: dict[str, float] = {}
+BEFORE: dict[str, str] = {}  # per host: files named *linkctl* in /etc before install
 UNITS = ("linkctl-link.service", "linkctl-responder.service", "linkctl-serve.service")
 SERVERS = {"rpc": "ggml-rpc-server", "head": "llama-server"}
 DEADLINE = 240.0  # generous: other jobs share the 2 cores
@@ -49,6 +50,13 @@ for p in os.listdir("/proc"):
 
 def say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def linkctl_files(c: boot.Container) -> str:
+    """Every file named *linkctl* under /etc (units, wants links, drop-ins, profiles);
+    the harness's own udev-trigger drop-in is one of them from the start."""
+    r = c.exec(["find", "/etc", "-name", "*linkctl*"], check=False)
+    return "\n".join(sorted(r.stdout.split()))
 
 
 def pids(c: boot.Container, comm: str) -> list[int]:
@@ -138,6 +146,7 @@ def test_install_then_reboot_brings_everything_up(blab):
     before = {n: port(c, spec[n].interface) for n, c in bl.containers.items()}
     for n, p in before.items():
         assert p == {"mtu": 1500, "up": False, "inet": []}, (n, p)
+    BEFORE.update({n: linkctl_files(c) for n, c in bl.containers.items()})
     res = bl.install_services()
     for n, c in bl.containers.items():
         for u in UNITS:
@@ -258,10 +267,7 @@ def test_uninstall_then_reboot_nothing_runs(blab):
     bl.reboot_all()
     for n, c in bl.containers.items():
         h = bl.profile.host(n)
-        left = c.exec(
-            ["find", "/etc/systemd/system", "/etc/linkctl", "-name", "*linkctl*"], check=False
-        )
-        assert left.stdout.strip() == "", left.stdout
+        assert linkctl_files(c) == BEFORE[n]
         units = c.exec(["systemctl", "list-units", "--all", "--no-legend", "linkctl*"]).stdout
         assert units.strip() == "", units
         for comm in ("linkctl", "ggml-rpc-server", "llama-server", "iperf3"):
