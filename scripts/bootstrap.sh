@@ -28,8 +28,11 @@ apt_install() {
 
 # iperf3/sockperf: probe and its benchmark; iproute2: the lab's `ip netns exec`;
 # cmake/g++: the llama.cpp build; systemd: systemd-analyze for the unit tests.
+# systemd-container (systemd-nspawn) + mmdebstrap: tests/test_boot.py boots the hosts as
+# containers with systemd as PID 1 (without recommends: libnss-mymachines would edit
+# /etc/nsswitch.conf, and nothing here needs it).
 apt_pkgs=(python3 python3-venv python3-pip iperf3 sockperf iproute2 iputils-ping cmake g++ make
-  systemd ca-certificates curl)
+  systemd ca-certificates curl systemd-container mmdebstrap)
 missing=()
 for p in "${apt_pkgs[@]}"; do
   installed "$p" || missing+=("$p")
