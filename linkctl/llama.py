@@ -45,15 +45,21 @@ RPC_NAMES = ("ggml-rpc-server", "rpc-server")
 SERVER_NAMES = ("llama-server",)
 
 
-def _cache_roots() -> tuple[Path, ...]:
-    """The system cache, then the user's. A systemd DynamicUser has no home (no HOME,
-    no passwd entry without nss-systemd): Path.home() raises there, so the user's
-    cache is skipped rather than crashing `linkctl serve` at import."""
+def _home() -> Path | None:
+    """The user's home, or None: a systemd DynamicUser has none (no HOME, no passwd
+    entry without nss-systemd) and Path.home() raises there; the places under it
+    are skipped rather than crashing `linkctl serve` (found under a real systemd)."""
     try:
-        user = Path.home() / ".cache/linkctl/llama.cpp"
+        return Path.home()
     except RuntimeError:
-        return (Path("/var/cache/linkctl/llama.cpp"),)
-    return (Path("/var/cache/linkctl/llama.cpp"), user)
+        return None
+
+
+def _cache_roots() -> tuple[Path, ...]:
+    """The system cache, then the user's."""
+    home = _home()
+    user = (home / ".cache/linkctl/llama.cpp",) if home else ()
+    return (Path("/var/cache/linkctl/llama.cpp"), *user)
 
 
 CACHE_ROOTS = _cache_roots()
@@ -146,7 +152,9 @@ def search_dirs(bin_dir: str | None = None) -> list[tuple[str, Path | None]]:
     src = os.environ.get("LLAMA_CPP_DIR")
     if src:
         out.append(("source build", Path(src) / "build" / "bin"))
-    out.append(("source build", Path.home() / "llama.cpp" / "build" / "bin"))
+    home = _home()
+    if home:
+        out.append(("source build", home / "llama.cpp" / "build" / "bin"))
     out += [("Homebrew", d) for d in HOMEBREW_BINS]
     return out
 
