@@ -245,6 +245,8 @@ def test_unplugged_cable_link_units_stop_and_come_back(blab):
     for n, c in bl.containers.items():
         st = boot.unit_props(c, UNITS[0], "ActiveState", "Result")
         assert st == {"ActiveState": "active", "Result": "success"}, (n, st)
+        for u in UNITS[1:]:
+            assert boot.unit_props(c, u, "ActiveState")["ActiveState"] == "active", (n, u)
         assert port(c, bl.profile.host(n).interface)["mtu"] == bl.profile.link.mtu
 
 
