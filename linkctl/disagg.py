@@ -175,6 +175,10 @@ def run_prefill(
     check_bind_on_link(host, backend)
     for d in (kv_dir(), models_dir()):
         d.mkdir(parents=True, exist_ok=True)
+    # Slot files are per request (route fetches them with delete); any left here are
+    # from requests whose transfer failed before a restart.
+    for stale in kv_dir().glob("linkctl-*.kv*"):
+        stale.unlink(missing_ok=True)
     say = _say(log, "kv-agent")
     agent = kvxfer.Agent(
         host.ip,
