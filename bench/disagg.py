@@ -208,6 +208,10 @@ def main() -> int:
                     },
                 )
                 assert dis["headers"]["x-linkctl-route"] == "disaggregated", dis["headers"]
+                for what, d in (("local", loc), ("disaggregated", dis)):
+                    last = d["events"][-1] if d.get("events") else {}
+                    if d["status"] != 200 or last.get("tokens_predicted") != a.output:
+                        raise RuntimeError(f"{what} {n} tokens: not {a.output} tokens: {d}")
                 samples["local"].append(loc)
                 samples["disagg"].append(dis)
             h = [d["headers"] for d in samples["disagg"]]
