@@ -17,6 +17,7 @@ from linkctl.disagg_estimate import (
     STATE_IO_GBS,
     kv_file_bytes,
     predict,
+    predict_for_profile,
     threshold,
 )
 from linkctl.errors import InputError
@@ -145,3 +146,41 @@ def test_profile_disaggregated_mode_defaults_and_refusals():
     ):
         with pytest.raises(InputError, match=msg):
             parse_profile(BASE | {"serve": serve})
+
+
+def test_route_threshold_from_flag_profile_or_estimate(tmp_path, monkeypatch, m70):
+    from linkctl.disagg import resolve_route_config
+
+    monkeypatch.setenv("LINKCTL_STATE_DIR", str(tmp_path / "state"))  # no probe report
+    hosts = [h | {"device": d} for h, d in zip(BASE["hosts"], ("gb10", "m2-ultra"), strict=True)]
+    prof = parse_profile(BASE | {"hosts": hosts, "serve": {"mode": "disaggregated"}})
+    cfg = resolve_route_config(prof, m70.path)
+    assert cfg.threshold_tokens == 512 and "no estimate" in cfg.threshold_source
+    assert "probe report" in cfg.threshold_source
+    assert resolve_route_config(prof, m70.path, 77).threshold_tokens == 77
+    # With the probe report's link figures: the estimate's threshold, which the
+    # threshold() search found (same arithmetic, same devices).
+    report = tmp_path / "state" / "probe" / "latest.json"
+    report.parent.mkdir(parents=True)
+    report.write_text(
+        json.dumps(
+            {
+                "latency": {"tcp": {"1": {"p50_us": 90.0}}},
+                "throughput": {"fwd_p1": {"gbps": 9.4}},
+            }
+        )
+    )
+    cfg = resolve_route_config(prof, m70.path)
+    assert cfg.threshold_source.startswith("estimate for dgx -> mac at 9.4 Gbit/s")
+    de = predict_for_profile(prof, m70.path, prompt=cfg.threshold_tokens, output=1)
+    ttft = {p.name: p.ttft_s for p in de.plans}
+    assert ttft["disaggregated"] < ttft["local"]
+    fixed = parse_profile(
+        BASE | {"serve": {"mode": "disaggregated", "disagg": {"threshold_tokens": 300}}}
+    )
+    cfg = resolve_route_config(fixed, m70.path)
+    assert (cfg.threshold_tokens, cfg.threshold_source) == (300, "serve.disagg.threshold_tokens")
+    # Transfers and the prefill server are reached from and at the link addresses.
+    assert cfg.source == "192.168.100.1" and cfg.agent_host == "192.168.100.2"
+    assert cfg.prefill is not None and cfg.prefill.source == "192.168.100.1"
+    assert cfg.decode.host == "127.0.0.1"
