@@ -53,14 +53,24 @@ for module in (link, lab, probe, serve, route, estimate, service, doctor, llama,
     module.register(app)
 
 
+def _print_version(value: bool) -> None:
+    # Eager: runs while the options are parsed, before click asks for a command.
+    if value:
+        print(f"linkctl {__version__}")
+        raise typer.Exit(0)
+
+
 @app.callback()
 def _root(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every step."),
-    version: bool = typer.Option(False, "--version", help="Print the version and exit."),
+    version: bool = typer.Option(
+        False,
+        "--version",
+        help="Print the version and exit.",
+        is_eager=True,
+        callback=_print_version,
+    ),
 ) -> None:
-    if version:
-        print(f"linkctl {__version__}")
-        raise typer.Exit(0)
     if verbose or os.environ.get("LINKCTL_VERBOSE"):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
