@@ -304,11 +304,16 @@ class LinuxBackend:
         runtime_ok = facts.has_address(str(host.address)) and facts.mtu == link.mtu and facts.up
         if plan.changes or facts.owner_detail != con or not runtime_ok:
             prev = facts.owner_detail
-            back = (
-                ["nmcli", "connection", "up", prev, "ifname", ifname]
-                if prev and prev != con
-                else ["nmcli", "device", "disconnect", ifname]
-            )
+            if prev and prev != con and self._nm_volatile(prev):
+                # NM's in-memory "Wired connection N" (a keyfile under /run, remade at
+                # every boot, its name then perhaps another device's): after a reboot
+                # `connection up NAME` fails (seen under a real systemd,
+                # tests/test_boot.py), so NM chooses again, as it did before setup.
+                back = ["nmcli", "device", "connect", ifname]
+            elif prev and prev != con:
+                back = ["nmcli", "connection", "up", prev, "ifname", ifname]
+            else:
+                back = ["nmcli", "device", "disconnect", ifname]
             plan.changes.append(
                 Change(
                     Kind.RUN,
@@ -326,6 +331,17 @@ class LinuxBackend:
                 )
             )
         return plan
+
+    def _nm_volatile(self, con: str) -> bool:
+        """Whether NM keeps ``con`` only in /run (generated, gone at reboot)."""
+        res = self.runner.run(
+            ["nmcli", "-t", "-f", "NAME,FILENAME", "connection", "show"], check=False, timeout=15
+        )
+        for line in res.stdout.splitlines():
+            name, _, filename = line.replace("\\:", "\0").partition(":")
+            if name.replace("\0", ":") == con:
+                return filename.replace("\0", ":").startswith("/run/")
+        return False
 
     def _nm_settings(self, con: str, keys: list[str]) -> dict[str, str] | None:
         """The connection's settings, or None when NM has no connection of that name.

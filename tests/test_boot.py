@@ -313,3 +313,60 @@ def test_ctrl_c_removes_everything(image, host_before):
             proc.wait()
     assert boot.leftovers(names, name) == []
     assert boot.snapshot_diff(host_before, boot.host_snapshot()) == []
+
+
+@pytest.fixture
+def nm_lab(host_before):
+    """Both hosts booted from a rootfs with NetworkManager (the DGX OS case), no llama.cpp."""
+    need_tool("mmdebstrap")
+    need_tool("systemd-nspawn")
+    img = boot.prepare(network_manager=True, log=say)
+    profile, _ = load_profile("dgx-mac")
+    bl = boot.BootLab(profile, "n" + uuid.uuid4().hex[:7], img, log=say)
+    try:
+        bl.__enter__()
+        yield bl
+    finally:
+        names, lab_name = bl.container_names(), bl.name
+        bl.down()
+        img.discard()
+        assert boot.leftovers(names, lab_name) == []
+
+
+def nmcli(c: boot.Container, *args: str) -> str:
+    return c.exec(["nmcli", *args], check=False, timeout=60).stdout.strip()
+
+
+def test_networkmanager_connection_survives_reboot(nm_lab, host_before):
+    """setup on a host whose NetworkManager manages the port writes a persistent
+    connection; after a reboot NM brings it up by itself (never-default, MTU, address,
+    default route still WiFi's); teardown + reboot leaves no connection and no address."""
+    bl = nm_lab
+    c = bl.containers["dgx"]
+    h = bl.lab.host("dgx")
+    conn = f"linkctl-{bl.profile.name}-lab"
+    assert nmcli(c, "-g", "GENERAL.STATE", "device", "show", h.interface), (
+        "NM does not see the port"
+    )
+    r = bl.linkctl("dgx", "setup", "--profile", bl.profile_in_container)
+    assert r.ok, r.stderr
+    assert "NetworkManager" in r.stdout
+    bl.reboot_all(["dgx"])
+    boot.wait_for(
+        lambda: conn in nmcli(c, "-g", "NAME", "connection", "show", "--active"),
+        60,
+        "NM activating the connection after reboot",
+    )
+    assert nmcli(c, "-g", "ipv4.never-default,802-3-ethernet.mtu", "connection", "show", conn) == (
+        f"yes\n{bl.profile.link.mtu}"
+    )
+    boot.wait_for(lambda: port(c, h.interface)["inet"] == [h.address], 30, "address after reboot")
+    assert port(c, h.interface)["mtu"] == bl.profile.link.mtu
+    assert default_route(c) == [labmod.WIFI_IF]
+    r = bl.linkctl("dgx", "teardown", "--profile", bl.profile_in_container)
+    assert r.ok, r.stderr
+    bl.reboot_all(["dgx"])
+    time.sleep(3)  # NM's autoconnect window after boot
+    assert conn not in nmcli(c, "-g", "NAME", "connection", "show")
+    assert h.address not in port(c, h.interface)["inet"]
+    assert default_route(c) == [labmod.WIFI_IF]
