@@ -686,7 +686,9 @@ def leftovers(names: list[str], lab_name: str) -> list[str]:
             if (r / f"linkctl-boot-{n}").exists():
                 out.append(str(r / f"linkctl-boot-{n}"))
     mounts = Path("/proc/self/mounts").read_text()
-    out += [line.split()[1] for line in mounts.splitlines() if str(WORK) in line.split()[1]]
+    # Only this lab's: other boot labs (another test run) may be up at the same time.
+    mine = tuple(f"{WORK / n}/" for n in names)
+    out += [m for m in (line.split()[1] for line in mounts.splitlines()) if m.startswith(mine)]
     if os.path.isdir("/run/netns"):
         out += [
             f"netns {ns}" for ns in os.listdir("/run/netns") if ns.startswith(f"lk-{lab_name}-")
