@@ -324,7 +324,7 @@ def test_status_reports_a_modified_file(tmp_path):
     root = make_target(tmp_path / "root")
     assert cli_install(root).returncode == 0
     unit = root / "etc/systemd/system/linkctl-link.service"
-    unit.write_text(unit.read_text().replace("RestartSec=30s", "RestartSec=1s"))
+    unit.write_text(unit.read_text().replace("RestartSec=10s", "RestartSec=1s"))
     st = linkctl("service", "status", "--root", str(root), "--json")
     assert st.returncode == 1
     states = {f["path"]: f["state"] for f in json.loads(st.stdout)["files"]}
