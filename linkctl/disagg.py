@@ -52,6 +52,28 @@ def server_argv(profile: Profile, binary: str, model: str, host: str, port: int)
     return argv + list(s.extra_args)
 
 
+# The llama-server flags that change what a slot file holds. A state file records the
+# cache's types and whether V is stored transposed (no flash attention), and
+# llama.cpp refuses to restore one that differs (src/llama-kv-cache.cpp,
+# state_read_meta/state_read_data); /props does not report them, so both sides
+# report the flags they were started with. Defaults as `llama-server --help` prints.
+KV_FLAGS = {
+    "cache_type_k": (("-ctk", "--cache-type-k"), "f16"),
+    "cache_type_v": (("-ctv", "--cache-type-v"), "f16"),
+    "flash_attn": (("-fa", "--flash-attn"), "auto"),
+}
+
+
+def kv_layout(argv: list[str]) -> dict[str, str]:
+    """The KV cache flags of a llama-server argv (last one wins, as in its parser)."""
+    out = {k: default for k, (_names, default) in KV_FLAGS.items()}
+    for i, a in enumerate(argv[:-1]):
+        for key, (names, _default) in KV_FLAGS.items():
+            if a in names:
+                out[key] = argv[i + 1]
+    return out
+
+
 @dataclass
 class DisaggPlan:
     profile: str
@@ -187,6 +209,7 @@ def run_prefill(
         profile.link.subnet,
         log=say,
         model=prefill_model_path(profile),
+        kv_layout=kv_layout(plan.argv),
     ).start()
     say(f"listening on {host.ip}:{agent.port} (peers {profile.link.subnet} only)")
     try:
@@ -248,7 +271,7 @@ def run_decode(
 
     def start_route() -> None:
         try:
-            local = kvxfer.fingerprint(model)
+            local = {**kvxfer.fingerprint(model), "kv_layout": kv_layout(plan.argv)}
             remote = kvxfer.remote_model(cfg.agent_host or "", cfg.agent_port, source=cfg.source)
             rt.check_pair(cfg, (local, remote), wait_s=wait_s, say=say)
             servers.append(rt.RouteServer(rt.Router(cfg, log=log)).start())
@@ -393,6 +416,9 @@ def doctor_checks(
         res.add("servers match", "SKIP", None, f"not both servers answer yet: {e}")
         return
     diffs = rt.compare_servers(mine_p, theirs_p)
+    diffs += rt.compare_kv_layout(
+        kv_layout(list(profile.serve.extra_args)), theirs.get("kv_layout")
+    )
     if diffs:
         res.add(
             "servers match",
@@ -406,5 +432,5 @@ def doctor_checks(
             "servers match",
             "PASS",
             mine_p.get("build_info"),
-            "decode and prefill servers: same build, n_ctx, slots, template",
+            "decode and prefill servers: same build, n_ctx, slots, template, KV cache flags",
         )

@@ -158,7 +158,8 @@ class _Handler(socketserver.StreamRequestHandler):
             req = _line(self.rfile)
             op = req.get("op")
             if op == "model":
-                _send(self.connection, {"ok": True, **fingerprint(self.server.model or "")})
+                fp = fingerprint(self.server.model or "")
+                _send(self.connection, {"ok": True, **fp, "kv_layout": self.server.kv_layout})
                 return
             area = self.server.areas.get(str(req.get("area")))
             if area is None:
@@ -245,8 +246,17 @@ class _Server(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, addr, areas: dict[str, Path], allowed, log: Callable[[str], None], model):
+    def __init__(
+        self,
+        addr,
+        areas: dict[str, Path],
+        allowed,
+        log: Callable[[str], None],
+        model,
+        kv_layout: dict[str, str] | None,
+    ):
         self.areas, self.allowed, self.log, self.model = areas, allowed, log, model
+        self.kv_layout = kv_layout
         super().__init__(addr, _Handler)
 
 
@@ -261,6 +271,7 @@ class Agent:
         subnet: ipaddress.IPv4Network,
         log: Callable[[str], None] | None = None,
         model: str | None = None,
+        kv_layout: dict[str, str] | None = None,
     ):
         check_bind(bind, subnet)
         for name, d in areas.items():
@@ -268,7 +279,9 @@ class Agent:
                 raise InputError(f"kv-agent area {name}: {d} is not a directory", "create it")
         dirs = {k: Path(v) for k, v in areas.items()}
         try:
-            self.server = _Server((bind, port), dirs, subnet, log or (lambda _m: None), model)
+            self.server = _Server(
+                (bind, port), dirs, subnet, log or (lambda _m: None), model, kv_layout
+            )
         except OSError as e:
             raise InputError(
                 f"kv-agent cannot listen on {bind}:{port}: {e}",
@@ -373,7 +386,8 @@ def stat(
 def remote_model(
     host: str, port: int, *, source: str | None = None, timeout: float = 120.0
 ) -> dict[str, Any]:
-    """fingerprint() of the model the agent's host serves."""
+    """fingerprint() of the model the agent's host serves, with the KV layout its
+    llama-server runs (disagg.kv_layout)."""
     return _ask(host, port, {"op": "model"}, source, timeout)
 
 

@@ -552,6 +552,18 @@ def compare_servers(decode: dict[str, Any], prefill: dict[str, Any]) -> list[str
     return diffs
 
 
+def compare_kv_layout(decode: dict | None, prefill: dict | None) -> list[str]:
+    """Differences in the KV cache flags the two servers run (disagg.kv_layout); a side
+    that did not report them (an older kv-agent) is not compared."""
+    if not decode or not prefill:
+        return []
+    return [
+        f"KV cache {key}: decode {decode.get(key)}, prefill {prefill.get(key)}"
+        for key in sorted(set(decode) | set(prefill))
+        if decode.get(key) != prefill.get(key)
+    ]
+
+
 def _short(v: Any) -> str:
     s = json.dumps(v) if not isinstance(v, str) else repr(v)
     return s if len(s) <= 60 else s[:57] + "..."
@@ -583,7 +595,7 @@ def check_pair(
 ) -> list[str]:
     """Refuse (InputError naming the difference) when the two servers cannot share
     slots: another build, model type, context, slot count or template (/props), or
-    another model file (``fingerprints``: decode side, prefill side)."""
+    another model file or KV cache layout (``fingerprints``: decode side, prefill side)."""
     say = say or (lambda _m: None)
     if cfg.prefill is None:
         return []
@@ -594,10 +606,12 @@ def check_pair(
         a, b = fingerprints
         if a.get("size") != b.get("size") or a.get("sha256") != b.get("sha256"):
             diffs.append(f"model file: decode {_fp(a)}, prefill {_fp(b)}")
+        diffs += compare_kv_layout(a.get("kv_layout"), b.get("kv_layout"))
     if diffs:
         raise InputError(
             "the decode and prefill servers differ: " + "; ".join(diffs),
-            "run the same llama.cpp build, model file (`linkctl model sync`), ctx and -np on both",
+            "run the same llama.cpp build, model file (`linkctl model sync`), ctx, -np and KV "
+            "cache flags (-ctk, -ctv, -fa) on both",
         )
     n_ctx = (d.get("default_generation_settings") or {}).get("n_ctx")
     line = (

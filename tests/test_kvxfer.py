@@ -114,3 +114,15 @@ def test_fingerprint_tells_files_apart(tmp_path):
     fa, fb = kvxfer.fingerprint(a), kvxfer.fingerprint(b)
     assert fa["size"] == fb["size"] and fa["sha256"] != fb["sha256"]
     assert kvxfer.fingerprint(tmp_path / "none")["size"] is None
+
+
+def test_agent_reports_the_kv_layout_its_server_runs(areas, tmp_path):
+    from linkctl.disagg import kv_layout
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    layout = kv_layout(["llama-server", "-m", "m.gguf", "-ctk", "q8_0", "--flash-attn", "on"])
+    assert layout == {"cache_type_k": "q8_0", "cache_type_v": "f16", "flash_attn": "on"}
+    with kvxfer.Agent("127.0.0.1", 0, areas, LO, model=str(model), kv_layout=layout) as a:
+        got = kvxfer.remote_model("127.0.0.1", a.port)
+    assert got["kv_layout"] == layout and got["size"] == 4

@@ -248,3 +248,19 @@ def test_compare_servers_names_each_difference():
     assert len(diffs) == 2
     assert "llama.cpp build (build_info): decode 'b1-abc', prefill 'b2-def'" in diffs[0]
     assert "n_ctx" in diffs[1] and "4096" in diffs[1] and "2048" in diffs[1]
+
+
+def test_kv_cache_flags_that_differ_are_named():
+    from linkctl.disagg import kv_layout
+    from linkctl.route import compare_kv_layout
+
+    default = kv_layout(["llama-server"])
+    assert default == {"cache_type_k": "f16", "cache_type_v": "f16", "flash_attn": "auto"}
+    assert compare_kv_layout(default, kv_layout(["x", "-ctk", "f16"])) == []
+    diffs = compare_kv_layout(default, kv_layout(["x", "--cache-type-v", "q4_0", "-fa", "off"]))
+    assert diffs == [
+        "KV cache cache_type_v: decode f16, prefill q4_0",
+        "KV cache flash_attn: decode auto, prefill off",
+    ]
+    # An agent that reports no layout (an older linkctl) is not compared.
+    assert compare_kv_layout(default, None) == []

@@ -106,7 +106,10 @@ def register(app: typer.Typer) -> None:
                     console.print(f"{k:17s} {v}", markup=False)
             return
         say = _stamp_say("route")
-        local_fp = kvxfer.fingerprint(model or prof.serve.model)
+        local_fp = {
+            **kvxfer.fingerprint(model or prof.serve.model),
+            "kv_layout": disagg.kv_layout(list(prof.serve.extra_args)),
+        }
         remote_fp = kvxfer.remote_model(cfg.agent_host or "", cfg.agent_port, source=cfg.source)
         rt.check_pair(cfg, (local_fp, remote_fp), wait_s=wait, say=say)
         cfg.decode_slot_dir.mkdir(parents=True, exist_ok=True)
@@ -147,6 +150,8 @@ def register(app: typer.Typer) -> None:
             "areas": {k: str(v) for k, v in areas.items()},
             "model": disagg.prefill_model_path(prof),
             "allowed_peers": str(prof.link.subnet),
+            # The flags serve gives this host's llama-server (disagg.server_argv).
+            "kv_layout": disagg.kv_layout(list(prof.serve.extra_args)),
         }
         if dry_run:
             print_json(plan) if json_ else [console.print(f"{k:14s} {v}") for k, v in plan.items()]
@@ -164,6 +169,7 @@ def register(app: typer.Typer) -> None:
             prof.link.subnet,
             log=say,
             model=plan["model"],
+            kv_layout=plan["kv_layout"],
         ).start()
         say(f"listening on {plan['bind']} (peers {plan['allowed_peers']} only)")
         try:
