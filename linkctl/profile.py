@@ -140,8 +140,10 @@ class ServeSpec(_Strict):
     # Layer split the head passes to llama-server: "recommended" (linkctl estimate's
     # fastest memory-feasible split), "llama" (llama.cpp's own, by free memory) or
     # weights "W,W,..." in llama.cpp device order (RPC hosts in --rpc order, then the
-    # head's GPU).
-    split: str = "recommended"
+    # head's GPU). Unset (None) means "recommended", falling back to llama.cpp's split
+    # with a note when the estimate cannot be made; set, it is a demand. None, not the
+    # string, so a profile written back out (the lab's copy) stays unset.
+    split: str | None = None
     # The head runs `linkctl verify` on serve.model before llama-server; a FAIL refuses to serve.
     verify: bool = False
     # llama-server's API has no authentication unless given keys. Off loopback and off
@@ -160,8 +162,9 @@ class ServeSpec(_Strict):
 
     @field_validator("split")
     @classmethod
-    def _split(cls, v: str) -> str:
-        parse_split_spec(v)
+    def _split(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_split_spec(v)
         return v
 
 
@@ -242,7 +245,7 @@ class Profile(_Strict):
                     str(h.rpc.bind),
                     f"is {what}; rpc-server has no authentication and binds only to {h.ip}",
                 )
-        if self.serve.tensor_split and self.serve.split != "recommended":
+        if self.serve.tensor_split and self.serve.split is not None:
             raise _FieldError(
                 "serve.tensor_split",
                 self.serve.tensor_split,

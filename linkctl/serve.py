@@ -191,10 +191,10 @@ def choose_split(
         source, text = "--split", split
     elif s.tensor_split:
         source, text = "serve.tensor_split in the profile", None
-    elif "split" in s.model_fields_set:
+    elif s.split is not None:
         source, text = "serve.split in the profile", s.split
     else:
-        source, text = "default", s.split
+        source, text = "default", "recommended"
     if text is None:
         spec: str | list[float] = legacy_tensor_split(profile) or []
     else:
