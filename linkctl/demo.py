@@ -506,11 +506,18 @@ class Demo:
         argv, env = self._argv(
             head, ["linkctl", "probe", "--profile", str(prof_path), "--peer", peer, "--json"]
         )
+        log = self.out_dir / "logs" / f"{head}-probe-{peer}.log"
         r = self.runner.run(argv, timeout=180, check=False, env=env)
-        (self.out_dir / "logs" / f"{head}-probe-{peer}.log").write_text(r.stdout + r.stderr)
+        log.write_text(r.stdout + r.stderr)
+        if r.returncode not in (0, 1, 2) and not (r.stdout + r.stderr).strip():
+            # A probe that died silently (seen twice under CI load on 2 cores, cause not
+            # found: exit status now logged) is run once more, and the demo says so.
+            self.say(f"     probe exited {r.returncode} with no output; running it once more")
+            r = self.runner.run(argv, timeout=180, check=False, env=env)
+            log.write_text(log.read_text() + r.stdout + r.stderr)
         if r.returncode == 2 or not r.stdout.strip().startswith("{"):
-            last = (r.stderr.strip() or "no output").splitlines()[-1]
-            raise CheckFailed(f"`linkctl probe --peer {peer}` could not run: {last}")
+            last = (r.stderr.strip() or f"no output, exit {r.returncode}").splitlines()[-1]
+            raise CheckFailed(f"`linkctl probe --peer {peer}` could not run: {last} (log: {log})")
         rep = json.loads(r.stdout)
         tcp1 = rep["latency"]["tcp"]["1"]
         thr = rep["throughput"]
