@@ -40,15 +40,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import tempfile
 import time
-import uuid
 from pathlib import Path
 
-from labkit import HEALTH, PY, RTT, CpuLimit, Proc, complete, in_ns, linkctl, run, wait_port
+from labkit import HEALTH, PY, RTT, CpuLimit, Proc, complete, in_ns, linkctl, run, start, wait_port
 
 DELAYS_MS = (0.0, 0.25, 1.0, 2.0)
 TARGET_PCT = 15.0
@@ -77,23 +74,15 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--keep", action="store_true", help="leave the lab up")
     a = ap.parse_args()
-    if os.geteuid() != 0:
-        raise SystemExit("needs root (network namespaces)")
-    from linkctl.llama import find_bins
+    name, work, state, bins = start("ea-estimate-accuracy", "network namespaces")
     from linkctl.tinymodel import TinySpec, write_tiny_llama
 
-    bins = find_bins(versions=False)
-    if not (bins.rpc_server and bins.llama_server):
-        raise SystemExit("llama.cpp binaries not found: run scripts/build-llama.sh")
-    name = "ea" + uuid.uuid4().hex[:6]
-    work = Path(tempfile.mkdtemp(prefix="estimate-accuracy-"))
-    env_state = os.environ.setdefault("LINKCTL_STATE_DIR", str(work / "state"))
     procs: list[Proc] = []
     rows = []
     limit = CpuLimit(a.cpu) if a.cpu else None
     try:
         linkctl("lab", "up", "--profile", "dgx-mac", "--name", name, "--json")
-        lab = json.loads((Path(env_state) / "lab" / name / "lab.json").read_text())
+        lab = json.loads((state / "lab" / name / "lab.json").read_text())
         for h in ("dgx", "mac"):
             in_ns(name, h, "linkctl", "setup")
         # The lab's llama.cpp is a CPU build: both ends are "cpu" devices here (a CPU-only

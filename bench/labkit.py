@@ -59,6 +59,25 @@ print(rpc_rtt_us(int(sys.argv[2]), 200, host=sys.argv[1]))
 PROMPT = "the link between two machines carries activations for every token " * 2
 
 
+def start(prefix: str, why_root: str):
+    """What every lab bench checks and makes first: root, the llama.cpp binaries, a
+    unique lab name, a work directory and the state directory (LINKCTL_STATE_DIR
+    unless already set). Returns (name, work, state, bins)."""
+    import tempfile
+
+    from linkctl.llama import find_bins
+
+    if os.geteuid() != 0:
+        raise SystemExit(f"needs root ({why_root})")
+    bins = find_bins(versions=False)
+    if not (bins.rpc_server and bins.llama_server):
+        raise SystemExit("llama.cpp binaries not found: run scripts/build-llama.sh")
+    name = prefix[:2] + uuid.uuid4().hex[:6]
+    work = Path(tempfile.mkdtemp(prefix=f"{prefix}-"))
+    state = Path(os.environ.setdefault("LINKCTL_STATE_DIR", str(work / "state")))
+    return name, work, state, bins
+
+
 def run(argv: list[str], timeout: float = 600, check: bool = True, env=None) -> str:
     r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
     if check and r.returncode != 0:

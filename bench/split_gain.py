@@ -43,15 +43,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import statistics
 import sys
-import tempfile
-import uuid
 from pathlib import Path
 
-from labkit import PY, CpuLimit, Proc, complete, in_ns, linkctl, run, wait_port, wait_status
+from labkit import PY, CpuLimit, Proc, complete, in_ns, linkctl, run, start, wait_port, wait_status
 
 TARGET_PCT = 15.0
 RPC_HOSTS = ("dgx1", "dgx2")
@@ -94,21 +91,13 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--keep", action="store_true", help="leave the lab up")
     a = ap.parse_args()
-    if os.geteuid() != 0:
-        raise SystemExit("needs root (network namespaces, a cgroup)")
+    name, work, state, _bins = start("sg-split-gain", "network namespaces, a cgroup")
     import tomllib
 
     import tomli_w
 
-    from linkctl.llama import find_bins
     from linkctl.tinymodel import TinySpec, write_tiny_llama
 
-    bins = find_bins(versions=False)
-    if not (bins.rpc_server and bins.llama_server):
-        raise SystemExit("llama.cpp binaries not found: run scripts/build-llama.sh")
-    name = "sg" + uuid.uuid4().hex[:6]
-    work = Path(tempfile.mkdtemp(prefix="split-gain-"))
-    state = Path(os.environ.setdefault("LINKCTL_STATE_DIR", str(work / "state")))
     procs: list[Proc] = []
     limits: dict[str, CpuLimit] = {}
     t = str(a.threads)
