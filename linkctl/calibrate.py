@@ -139,7 +139,7 @@ def best_run(runs: list[dict[str, float]]) -> dict[str, float]:
 def rpc_rtt_us(port: int, n: int = 200, host: str = "127.0.0.1") -> float:
     """p50 of GET_DEVICE_MEMORY request/response on one connection to an rpc-server
     (the same kind of exchange as a token's GET_TENSOR, minus the payload)."""
-    from linkctl.rpc import CMD_GET_DEVICE_MEMORY, _open_hello
+    from linkctl.rpc import RpcCmd, _open_hello
 
     conn, _v, _f = _open_hello(host, port, 5.0)
     try:
@@ -147,7 +147,7 @@ def rpc_rtt_us(port: int, n: int = 200, host: str = "127.0.0.1") -> float:
         ts = []
         for _ in range(n):
             t = time.perf_counter()
-            conn.call(CMD_GET_DEVICE_MEMORY, struct.pack("<I", 0))
+            conn.call(RpcCmd.GET_DEVICE_MEMORY, struct.pack("<I", 0))
             ts.append((time.perf_counter() - t) * 1e6)
     finally:
         conn.close()

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from linkctl.errors import InputError
-from linkctl.paths import state_dir
+from linkctl.paths import state_dir, write_atomic
 
 _FIELDS = (
     "memory_gb",
@@ -259,10 +259,7 @@ def save_calibration(host: str, record: dict[str, Any]) -> Path:
         except json.JSONDecodeError:
             data = {"hosts": {}}
     data["hosts"][host] = record
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
+    write_atomic(path, json.dumps(data, indent=2) + "\n")
     return path
 
 

@@ -41,7 +41,6 @@ import argparse
 import collections
 import contextlib
 import json
-import os
 import signal
 import socket
 import struct
@@ -52,26 +51,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-RPC_COMMANDS = (
-    "ALLOC_BUFFER",
-    "GET_ALIGNMENT",
-    "GET_MAX_SIZE",
-    "BUFFER_GET_BASE",
-    "FREE_BUFFER",
-    "BUFFER_CLEAR",
-    "SET_TENSOR",
-    "SET_TENSOR_HASH",
-    "GET_TENSOR",
-    "COPY_TENSOR",
-    "GRAPH_COMPUTE",
-    "GET_DEVICE_MEMORY",
-    "INIT_TENSOR",
-    "GET_ALLOC_SIZE",
-    "HELLO",
-    "DEVICE_COUNT",
-    "GRAPH_RECOMPUTE",
-    "MEMSET_TENSOR",
-)
+from linkctl.paths import write_atomic
+from linkctl.rpc import RpcCmd
+
 _CHUNK = 256 * 1024
 
 
@@ -85,27 +67,24 @@ def parse_addr(text: str, what: str) -> tuple[str, int]:
 
 
 CORRUPT_TARGETS = ("set_tensor", "weights", "get_tensor")
-CMD_SET_TENSOR, CMD_GET_TENSOR = 6, 8
-CMD_GRAPH_COMPUTE, CMD_GRAPH_RECOMPUTE = 10, 16
 # sizeof(rpc_tensor) (packed: u64 id, u32 type, u64 buffer, u32 ne[4], u32 nb[4], u32 op,
 # i32 op_params[16], i32 flags, u64 src[10], u64 view_src, view_offs, data,
 # char name[64], i32 use_count) + cache_flag u8 + offset u64
 SET_TENSOR_HEADER = 296 + 1 + 8
 # Commands rpc-server answers (rpc_serve_client); the others get no response.
 ANSWERED = frozenset(
-    RPC_COMMANDS.index(n)
-    for n in (
-        "ALLOC_BUFFER",
-        "GET_ALIGNMENT",
-        "GET_MAX_SIZE",
-        "BUFFER_GET_BASE",
-        "SET_TENSOR_HASH",
-        "GET_TENSOR",
-        "COPY_TENSOR",
-        "GET_DEVICE_MEMORY",
-        "GET_ALLOC_SIZE",
-        "HELLO",
-        "DEVICE_COUNT",
+    (
+        RpcCmd.ALLOC_BUFFER,
+        RpcCmd.GET_ALIGNMENT,
+        RpcCmd.GET_MAX_SIZE,
+        RpcCmd.BUFFER_GET_BASE,
+        RpcCmd.SET_TENSOR_HASH,
+        RpcCmd.GET_TENSOR,
+        RpcCmd.COPY_TENSOR,
+        RpcCmd.GET_DEVICE_MEMORY,
+        RpcCmd.GET_ALLOC_SIZE,
+        RpcCmd.HELLO,
+        RpcCmd.DEVICE_COUNT,
     )
 )
 
@@ -233,16 +212,16 @@ class _RpcParser(_Framer):
     def on_header(self, hdr: bytes) -> tuple[int, int | None] | None:
         cmd = hdr[0]
         size = struct.unpack_from("<Q", hdr, 1)[0]
-        if cmd >= len(RPC_COMMANDS) or size > 1 << 40:
+        if cmd >= len(RpcCmd) or size > 1 << 40:
             return None
         if self.counts is not None:
-            self.counts[RPC_COMMANDS[cmd]] += 1
+            self.counts[RpcCmd(cmd).name] += 1
         if self.owed is not None and cmd in ANSWERED:
             self.owed.append(cmd)
-        if cmd in (CMD_GRAPH_COMPUTE, CMD_GRAPH_RECOMPUTE):
+        if cmd in (RpcCmd.GRAPH_COMPUTE, RpcCmd.GRAPH_RECOMPUTE):
             self.computed = True
         c = self.corrupt
-        hit = cmd == CMD_SET_TENSOR and c is not None
+        hit = cmd == RpcCmd.SET_TENSOR and c is not None
         hit = hit and (c.target == "set_tensor" or (c.target == "weights" and not self.computed))
         return size, SET_TENSOR_HEADER if hit else None
 
@@ -260,7 +239,7 @@ class _ResponseParser(_Framer):
         if not self.owed or size > 1 << 40:
             return None  # a response nobody asked for: not the stream we know
         cmd = self.owed.popleft()
-        return size, 0 if cmd == CMD_GET_TENSOR else None
+        return size, 0 if cmd == RpcCmd.GET_TENSOR else None
 
 
 @dataclass
@@ -503,14 +482,12 @@ def main(argv: list[str] | None = None) -> int:
         if path:
             snap = json.dumps(proxy.snapshot())
             if snap != last:
-                tmp = path.with_suffix(".tmp")
-                tmp.write_text(snap)
-                os.replace(tmp, path)
+                write_atomic(path, snap)
                 last = snap
     proxy.stop()
     snap = proxy.snapshot()
     if path:
-        path.write_text(json.dumps(snap))
+        write_atomic(path, json.dumps(snap))
     print(json.dumps(snap), flush=True)
     return 0
 

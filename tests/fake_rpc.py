@@ -19,6 +19,8 @@ import struct
 import sys
 import time
 
+from linkctl.rpc import RpcCmd
+
 FREE, TOTAL = 3 * 2**30, 4 * 2**30
 
 
@@ -41,7 +43,7 @@ def serve_client(c: socket.socket, mode: str, version: tuple[int, int, int], dev
         time.sleep(3600)
         return
     cmd, size = struct.unpack("<BQ", recv_exact(c, 9))
-    if mode == "nohello" or cmd != 14:
+    if mode == "nohello" or cmd != RpcCmd.HELLO:
         return
     want = 24 if mode == "v7" else 0
     if size != want:
@@ -54,9 +56,9 @@ def serve_client(c: socket.socket, mode: str, version: tuple[int, int, int], dev
     while True:
         cmd, size = struct.unpack("<BQ", recv_exact(c, 9))
         payload = recv_exact(c, size)
-        if cmd == 15 and mode in ("v3", "v7"):
+        if cmd == RpcCmd.DEVICE_COUNT and mode in ("v3", "v7"):
             send_msg(c, struct.pack("<I", devices))
-        elif cmd == 11:
+        elif cmd == RpcCmd.GET_DEVICE_MEMORY:
             if mode in ("v3", "v7") and len(payload) != 4:
                 return
             if mode == "v2" and payload:

@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from linkctl.delayproxy import RPC_COMMANDS, _RpcParser, main
+from linkctl.delayproxy import _RpcParser, main
+from linkctl.rpc import RpcCmd
 
 ECHO = r"""
 import socket, sys, threading
@@ -60,7 +61,7 @@ def test_rpc_parser_counts_commands_across_chunk_boundaries():
     expect = collections.Counter()
     for cmd, size in ((14, 24), (6, 5000), (6, 16), (10, 300), (8, 40), (16, 8)):
         stream += struct.pack("<BQ", cmd, size) + bytes(size)
-        expect[RPC_COMMANDS[cmd]] += 1
+        expect[RpcCmd(cmd).name] += 1
     for step in (1, 7, 4096, len(stream)):
         p, got = _RpcParser(), collections.Counter()
         for i in range(0, len(stream), step):

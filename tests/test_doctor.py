@@ -205,7 +205,7 @@ def _listening(netns: str, port: int, timeout: float = 15.0) -> None:
 HOLD = """
 import socket, struct, sys, time
 s = socket.create_connection(("198.18.100.2", 50052), timeout=5)
-s.sendall(struct.pack("<BQ", 14, 24) + bytes(24))
+s.sendall(struct.pack("<BQ", 14, 24) + bytes(24))  # HELLO (linkctl.rpc.RpcCmd), 7.x caps
 n = struct.unpack("<Q", s.recv(8))[0]
 s.recv(n)
 print("held", flush=True)

@@ -129,7 +129,7 @@ def test_real_server_busy_while_held_and_survives(real_rpc_server):
     p, port = real_rpc_server
     holder = socket.create_connection(("127.0.0.1", port))
     holder.sendall(
-        struct.pack("<BQ", rpc.CMD_HELLO, rpc.CONN_CAPS_SIZE) + bytes(rpc.CONN_CAPS_SIZE)
+        struct.pack("<BQ", rpc.RpcCmd.HELLO, rpc.CONN_CAPS_SIZE) + bytes(rpc.CONN_CAPS_SIZE)
     )
     holder.settimeout(5)
     got = b""
