@@ -274,6 +274,23 @@ class Stats:
         }
 
 
+# The last stretch before a release is spun, not slept (see _Pipe._write).
+SPIN_S = 150e-6
+
+
+def realtime(priority: int = 10) -> str:
+    """SCHED_FIFO for this process (its threads inherit it): on a busy machine the
+    writer threads then wait for no CPU at their release times, which otherwise adds
+    hundreds of µs to every chunk (measured: bench/estimate_accuracy.py, README). A
+    property of this one process, nothing of the machine's; the proxy mostly sleeps,
+    so it takes little from the others. Returns what was set, or why not."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(priority))
+    except (OSError, AttributeError) as e:
+        return f"not set ({e})"
+    return f"SCHED_FIFO {priority}"
+
+
 class _Pipe:
     """One direction of one connection: reader thread -> FIFO -> delayed writer thread."""
 
@@ -342,9 +359,13 @@ class _Pipe:
                     if not self.q:
                         break
                     release, data = self.q.popleft()
+                # Sleep to within SPIN_S of the release, then spin: time.sleep overshoots by
+                # tens of µs (timer slack, wake-up), more than a 0.25 ms delay can absorb.
                 left = release - time.monotonic()
-                if left > 0:
-                    time.sleep(left)
+                if left > SPIN_S:
+                    time.sleep(left - SPIN_S)
+                while time.monotonic() < release:
+                    pass
                 late = (time.monotonic() - release) * 1e6
                 st = self.proxy.stats
                 with self.proxy.lock:
@@ -377,6 +398,7 @@ class DelayProxy:
         self._sock: socket.socket | None = None
         self._port = listen[1]
         self._stop = threading.Event()
+        self.scheduling = "default"
 
     @property
     def port(self) -> int:
@@ -389,6 +411,7 @@ class DelayProxy:
         d["delay_ms"] = self.delay_s * 1000
         d["listen"] = f"{self.listen[0]}:{self._port}"
         d["target"] = f"{self.target[0]}:{self.target[1]}"
+        d["scheduling"] = self.scheduling
         return d
 
     def start(self) -> DelayProxy:
@@ -452,7 +475,13 @@ def main(argv: list[str] | None = None) -> int:
         "--corrupt-rate", type=float, default=1e-6, help="probability per bit (default 1e-6)"
     )
     ap.add_argument("--corrupt-seed", type=int, default=0, help="seed of the bit flips")
+    ap.add_argument(
+        "--realtime",
+        action="store_true",
+        help="run this proxy under SCHED_FIFO (root): fewer late chunks on a busy machine",
+    )
     a = ap.parse_args(argv)
+    sched = realtime() if a.realtime else "default"
     try:
         corrupt = Corruption(a.corrupt, a.corrupt_rate, a.corrupt_seed) if a.corrupt else None
         proxy = DelayProxy(
@@ -460,7 +489,9 @@ def main(argv: list[str] | None = None) -> int:
             parse_addr(a.target, "--target"),
             a.delay_ms,
             corrupt=corrupt,
-        ).start()
+        )
+        proxy.scheduling = sched
+        proxy.start()
     except LinkctlError as e:
         print(f"delayproxy: error: {e.line()}", file=sys.stderr)
         return 2
@@ -472,7 +503,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: done.set())
     print(
         f"delayproxy: {a.listen} -> {a.target}, {a.delay_ms:g} ms each way"
-        + (f", corrupting {a.corrupt} at {a.corrupt_rate:g}/bit" if a.corrupt else ""),
+        + (f", corrupting {a.corrupt} at {a.corrupt_rate:g}/bit" if a.corrupt else "")
+        + f", scheduling {sched}",
         file=sys.stderr,
         flush=True,
     )
