@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -101,6 +102,29 @@ def in_ns(
     lab: str, host: str, *argv: str, timeout: float = 600, limit: CpuLimit | None = None
 ) -> str:
     return run(ns_argv(lab, host, list(argv), limit), timeout=timeout)
+
+
+def in_ns_rpc_limited(
+    lab: str, host: str, *argv: str, timeout: float, limit: CpuLimit | None, exe: str
+) -> tuple[str, list[int]]:
+    """`in_ns` with only the processes named ``exe`` (the rpc-server) that the command
+    starts inside ``limit``'s group."""
+    if limit is None:
+        return in_ns(lab, host, *argv, timeout=timeout), []
+    p = subprocess.Popen(
+        ns_argv(lab, host, list(argv)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    stop, moved = threading.Event(), []
+    t = threading.Thread(target=limit.adopt, args=(p.pid, exe, stop, moved))
+    t.start()
+    try:
+        out, err = p.communicate(timeout=timeout)
+    finally:
+        stop.set()
+        t.join()
+    if p.returncode != 0:
+        raise SystemExit(f"failed: {' '.join(argv)}\n{out[-2000:]}\n{err[-2000:]}")
+    return out, moved
 
 
 def complete(lab: str, host: str, port: int, n: int, runs: int) -> list[dict]:
@@ -215,6 +239,33 @@ class CpuLimit:
             if v.isdigit():
                 out[k] = int(v)
         return out
+
+    def adopt(self, root_pid: int, exe: str, stop: threading.Event, moved: list[int]) -> None:
+        """Until ``stop``: every process named ``exe`` below ``root_pid`` joins this group
+        (polled every 10 ms; the pids moved go to ``moved``). For `calibrate --rpc`: only
+        its rpc-server is quota'd, as under `serve`, while the llama-server that drives it
+        (the head's work: sampling, HTTP) runs outside, as the real head does."""
+        procs = self.path / "cgroup.procs"
+        while not stop.wait(0.01):
+            kids: dict[int, list[int]] = {}
+            names: dict[int, str] = {}
+            for d in Path("/proc").iterdir():
+                if not d.name.isdigit():
+                    continue
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    stat = (d / "stat").read_text()
+                    names[int(d.name)] = stat[stat.index("(") + 1 : stat.rindex(")")]
+                    ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+                    kids.setdefault(ppid, []).append(int(d.name))
+            todo = [root_pid]
+            while todo:
+                pid = todo.pop()
+                for k in kids.get(pid, []):
+                    todo.append(k)
+                    if names.get(k, "")[:15] == exe[:15] and k not in moved:
+                        with contextlib.suppress(OSError):
+                            procs.write_text(f"{k}\n")
+                            moved.append(k)
 
     def wrap(self, argv: list[str]) -> list[str]:
         """argv run inside this group (the shell joins it, then execs argv)."""
