@@ -178,7 +178,7 @@ def register(app: typer.Typer) -> None:
         ] = None,
         tokens: Annotated[int, typer.Option("--tokens", help="Decode tokens to time.")] = 64,
         runs: Annotated[
-            int, typer.Option("--runs", help="Timed requests (the fastest is kept).")
+            int, typer.Option("--runs", help="Timed requests (the median is kept).")
         ] = 5,
         threads: Annotated[
             int | None,
