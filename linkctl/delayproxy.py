@@ -41,6 +41,7 @@ import argparse
 import collections
 import contextlib
 import json
+import os
 import signal
 import socket
 import struct

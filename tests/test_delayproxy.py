@@ -230,3 +230,18 @@ def test_cli_bad_corruption_rate_exit_2(capsys):
     args = ["--listen", "198.18.100.2:1", "--target", "198.18.100.2:2", "--corrupt", "get_tensor"]
     assert main([*args, "--corrupt-rate", "0"]) == 2
     assert "--corrupt-rate 0: must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_realtime_is_this_process_only():
+    """--realtime: SCHED_FIFO for the proxy process (a child here), the caller untouched."""
+    import os
+
+    if os.geteuid() != 0 and os.environ.get("CI") != "true":
+        pytest.skip("SCHED_FIFO needs root")
+    code = (
+        "import os; from linkctl.delayproxy import realtime; "
+        "print(realtime(), os.sched_getscheduler(0) == os.SCHED_FIFO)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["SCHED_FIFO", "10", "True"]
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
