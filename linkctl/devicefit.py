@@ -232,6 +232,56 @@ def _solve(
     return c
 
 
+def _full_rank(rows: list[Row], n_coef: int, ties: dict, fixed: dict) -> bool:
+    """Whether the rows separate every free term (no two free columns collinear, e.g. a
+    per-block cost and a bandwidth when every row is the same model shape)."""
+    import numpy as np
+
+    free = [i for i in range(n_coef) if i not in ties and i not in fixed]
+    if not free:
+        return True
+    a = []
+    for r in rows:
+        f = row_features(r)
+        t = row_time_us(r)
+        a.append([(f[i] + sum(k * f[j] for j, (p, k) in ties.items() if p == i)) / t for i in free])
+    A = np.asarray(a, dtype=float)
+    scale = np.abs(A).max(axis=0)
+    A = A / np.where(scale > 0, scale, 1.0)
+    return int(np.linalg.matrix_rank(A, tol=1e-6)) == len(free)
+
+
+def _solve_pinned(
+    rows: list[Row],
+    n_coef: int,
+    ties: dict[int, tuple[int, float]],
+    fixed: dict[int, float],
+    throughput: tuple[int, ...],
+    prior: list[float],
+    names: tuple[str, ...],
+    notes: dict[str, str],
+    src: str,
+) -> list[float]:
+    """Fit; a throughput term the rows leave at zero cost (unbounded) is fixed at the
+    prior and the rest refitted around it (not added on top of a fit that spent its
+    time elsewhere), with any term tied to it fixed at the same ratio."""
+    c = _solve(rows, n_coef, ties, fixed)
+    for _ in throughput:
+        bad = [i for i in throughput if c[i] <= 0 and i not in fixed]
+        if not bad:
+            break
+        i = bad[0]
+        ties.pop(i, None)
+        fixed[i] = prior[i]
+        for j, (p, k) in list(ties.items()):
+            if p == i:
+                del ties[j]
+                fixed[j] = k * prior[i]
+        notes[names[i]] = f"assumed (not pinned by the rows): {src}"
+        c = _solve(rows, n_coef, ties, fixed)
+    return c
+
+
 def _distinct(rows: list[Row]) -> int:
     return len({tuple(round(v, 6) for v in row_features(r)) for r in rows})
 
@@ -277,11 +327,15 @@ def fit_decode(rows: list[Row], prior: Prior) -> tuple[list[float], dict[str, st
             return c, notes
         fixed[D_BLOCK] = 0.0
         notes["layer_us"] = "assumed (too few rows): 0, the bandwidth alone explains the row"
-    c = _solve(rows, 5, ties, fixed)
-    for i in (D_Q, D_F16, D_KV):
-        if c[i] <= 0:  # unbounded bandwidth: the rows do not pin it
-            c[i] = pc[i]
-            notes[DECODE_NAMES[i]] = f"assumed (not pinned by the rows): {src}"
+    if not _full_rank(rows, 5, ties, fixed) and D_BLOCK not in fixed:
+        # Every quantized row (or every F16 row) is one model shape: per-block cost and
+        # bandwidth are collinear. Take the family anchor's per-block cost, fit the rest.
+        fixed[D_BLOCK] = pc[D_BLOCK]
+        if D_MOE in ties:
+            del ties[D_MOE]
+            fixed[D_MOE] = pc[D_MOE]
+        notes["layer_us"] = f"assumed (rows do not separate it from bandwidth): {src}"
+    c = _solve_pinned(rows, 5, ties, fixed, (D_Q, D_F16, D_KV), pc, DECODE_NAMES, notes, src)
     return c, notes
 
 
@@ -316,11 +370,20 @@ def fit_prefill(rows: list[Row], prior: Prior) -> tuple[list[float], dict[str, s
             del ties[P_MOE_UB]
             fixed[P_MOE_UB] = pc[P_MOE_UB]
         notes["ubatch_layer_us"] = f"assumed (too few rows): {src}"
-    c = _solve(rows, 6, ties, fixed)
-    for i in (P_Q, P_F16, P_MOE, P_ATTN):
-        if c[i] <= 0:
-            c[i] = pc[i]
-            notes[PREFILL_NAMES[i]] = f"assumed (not pinned by the rows): {src}"
+    if not _full_rank(rows, 6, ties, fixed) and P_MOE_UB not in ties and P_MOE_UB not in fixed:
+        # Every MoE prompt a whole number of micro-batches: the MoE per-micro-batch cost
+        # and MoE throughput are collinear. Tie the former to the dense one (anchor ratio).
+        ties[P_MOE_UB] = (P_UB, prior.ratio(pc, P_MOE_UB, P_UB, 0.0))
+        notes["moe_ubatch_layer_us"] = f"assumed (rows do not separate it): the ratio in {src}"
+    if not _full_rank(rows, 6, ties, fixed) and P_UB not in fixed:
+        fixed[P_UB] = pc[P_UB]
+        if P_MOE_UB in ties:
+            del ties[P_MOE_UB]
+            fixed[P_MOE_UB] = pc[P_MOE_UB]
+        notes["ubatch_layer_us"] = f"assumed (rows do not separate it from FLOPS): {src}"
+    c = _solve_pinned(
+        rows, 6, ties, fixed, (P_Q, P_F16, P_MOE, P_ATTN), pc, PREFILL_NAMES, notes, src
+    )
     return c, notes
 
 
