@@ -17,6 +17,10 @@ from typing import Any
 # Plain click help: typer's rich help pulls in rich.markdown and markdown-it,
 # tripling `linkctl --help` start-up time. Tables and progress still use rich.
 os.environ.setdefault("TYPER_USE_RICH", "0")
+# linkctl's models validate the same whatever pydantic plugins this Python has; looking
+# for them scans every installed package's entry points (importlib.metadata, ~20 ms a
+# command). typer turns the scan off the same way while it builds its adapters.
+os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
 
 import typer
 

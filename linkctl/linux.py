@@ -99,19 +99,11 @@ class LinuxBackend:
         )
 
     def link_facts(self, ifname: str) -> LinkFacts:
-        import psutil
-
         link = self._link(ifname)
         addrs = tuple(f"{a.address}/{a.prefixlen}" for a in rtnl.ipv4_addrs(link.index))
-        # psutil reads speed/duplex through the ethtool ioctl in this netns.
-        stats = psutil.net_if_stats().get(ifname)
         carrier = link.carrier
-        speed = stats.speed if stats and stats.speed > 0 and carrier else None
-        duplex = None
-        if stats and carrier:
-            duplex = {psutil.NIC_DUPLEX_FULL: "full", psutil.NIC_DUPLEX_HALF: "half"}.get(
-                stats.duplex
-            )
+        # Speed and duplex mean something only with a carrier (ethtool ioctl, this netns).
+        speed, duplex = rtnl.link_speed(ifname) if carrier else (None, None)
         if ifname not in self._owners:
             self._owners[ifname] = self._owner(ifname, link.index)
         owner, detail = self._owners[ifname]

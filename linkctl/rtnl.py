@@ -1,4 +1,5 @@
-"""A small read-only rtnetlink reader: links, IPv4 addresses, IPv4 routes, route lookup.
+"""A small read-only rtnetlink reader: links, IPv4 addresses, IPv4 routes, route lookup;
+and a link's speed/duplex through the ethtool ioctl.
 
 Why not pyroute2 here: importing the ``pyroute2`` package costs ~200-250 ms (its
 ``__init__`` loads every netlink family: NDB, IPDB, conntrack, nftables, and asyncio),
@@ -10,6 +11,9 @@ through pyroute2 in linkctl.linux: it is imported only when something is changed
 Message layouts are the kernel's UAPI headers: include/uapi/linux/netlink.h
 (nlmsghdr, nlmsgerr), rtnetlink.h (rtmsg, rtattr, RTA_*), if_link.h (IFLA_*),
 if_addr.h (ifaddrmsg, IFA_*), linux/if.h (ifinfomsg). Attributes are 4-byte aligned.
+Speed and duplex are not in rtnetlink: they come from the SIOCETHTOOL ioctl
+(linux/sockios.h) with ETHTOOL_GSET and struct ethtool_cmd (linux/ethtool.h), as
+``ethtool IF`` and psutil.net_if_stats read them (psutil's import alone costs ~10 ms).
 """
 
 from __future__ import annotations
@@ -211,3 +215,33 @@ def route_get(dst: str) -> RouteEntry | None:
     body += _RTATTR.pack(_RTATTR.size + len(addr), RTA_DST) + addr
     found = [_route(p) for mtype, p in _request(RTM_GETROUTE, 0, body) if mtype == RTM_NEWROUTE]
     return found[0] if found else None
+
+
+SIOCETHTOOL, ETHTOOL_GSET = 0x8946, 0x00000001
+# struct ethtool_cmd: cmd, supported, advertising, speed (u16), duplex, port, phy_address,
+# transceiver, autoneg, mdio_support (u8), maxtxpkt, maxrxpkt, speed_hi (u16), eth_tp_mdix,
+# eth_tp_mdix_ctrl (u8), lp_advertising, reserved[2]
+_ETHTOOL_CMD = struct.Struct("=IIIHBBBBBBIIHBBIII")
+_IFREQ_SIZE = 40  # sizeof(struct ifreq): char ifr_name[16] + a 24-byte union
+SPEED_UNKNOWN = 0xFFFFFFFF  # (u32)-1, what a driver with no link speed reports
+DUPLEX = {0: "half", 1: "full"}  # DUPLEX_HALF, DUPLEX_FULL; 0xff is DUPLEX_UNKNOWN
+
+
+def link_speed(ifname: str) -> tuple[int | None, str | None]:
+    """(Mb/s, "full" or "half") of ``ifname`` as its driver reports them; None for what it
+    does not report (no ethtool support, unknown speed, or the device is gone)."""
+    import array
+    import fcntl
+
+    cmd = array.array("B", _ETHTOOL_CMD.pack(ETHTOOL_GSET, *[0] * 17))
+    ifr = struct.pack("16sP", ifname.encode(), cmd.buffer_info()[0])
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            fcntl.ioctl(s.fileno(), SIOCETHTOOL, ifr.ljust(_IFREQ_SIZE, b"\0"))
+        except OSError as e:
+            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENODEV):
+                return None, None
+            raise
+    f = _ETHTOOL_CMD.unpack(cmd.tobytes())
+    speed = f[12] << 16 | f[3]
+    return (speed if 0 < speed < SPEED_UNKNOWN else None), DUPLEX.get(f[4])

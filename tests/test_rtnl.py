@@ -1,7 +1,7 @@
 """linkctl.rtnl (the read-only rtnetlink reader behind the Linux backend's facts) reads
 what two independent readers see: pyroute2 and `ip -j`, in a real lab namespace with
 more state than linkctl itself makes (a secondary address, a gatewayed route with a
-metric, a route in another table)."""
+metric, a route in another table); its ethtool speed/duplex reads what psutil reads."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ pytestmark = pytest.mark.netns
 # Runs inside the namespace; prints what each reader sees, as JSON.
 COMPARE = r"""
 import json, socket
+import psutil
 from pyroute2 import IPRoute
 from linkctl import rtnl
 
@@ -44,6 +45,12 @@ out = {
                                r.proto, r.scope, r.type, r.flags]) for r in rtnl.ipv4_routes()),
         "get": rtnl.route_get("198.18.200.9").oif,
     },
+}
+duplex = {psutil.NIC_DUPLEX_FULL: "full", psutil.NIC_DUPLEX_HALF: "half"}
+nics = psutil.net_if_stats()
+out["speed"] = {
+    "psutil": {n: [s.speed or None, duplex.get(s.duplex)] for n, s in nics.items()},
+    "rtnl": {n: list(rtnl.link_speed(n)) for n in nics},
 }
 try:
     rtnl.route_get("203.0.113.9")
@@ -96,3 +103,5 @@ def test_rtnl_reads_what_pyroute2_and_ip_read(make_lab):
     assert links[mine["get"]]["ifname"] == "enP7s7"
     assert json.loads(ip("-j", "route", "get", "198.18.200.9"))[0]["dev"] == "enP7s7"
     assert seen["unreachable"] == 101  # ENETUNREACH, as `ip route get` reports it
+    assert seen["speed"]["rtnl"] == seen["speed"]["psutil"]
+    assert seen["speed"]["rtnl"]["enP7s7"] == [10000, "full"]  # veth reports 10G full
