@@ -541,17 +541,6 @@ class Container:
         except subprocess.TimeoutExpired:
             return None
 
-    def reboot(self, timeout: float = 120.0) -> float:
-        """`systemctl reboot` inside; nspawn exits (133 with --keep-unit) and is started
-        again. Returns the seconds from the reboot command to a booted system."""
-        t0 = time.monotonic()
-        self.exec(["systemctl", "reboot"], check=False, timeout=30)
-        if self.wait_exit(60) is None:
-            raise InputError(f"container {self.name} did not go down within 60 s of reboot")
-        self.start()
-        self.wait_booted(timeout)
-        return time.monotonic() - t0
-
     def power_cut(self) -> None:
         """Pulled plug: SIGKILL to PID 1 takes down every process of the container at
         once (nothing is stopped, nothing flushed); nspawn then exits."""

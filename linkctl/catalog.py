@@ -88,14 +88,6 @@ class Device:
     calibration: dict[str, Any] | None = None
 
     @property
-    def effective_bandwidth_gbs(self) -> float:
-        return self.decode.bw_gbs
-
-    @property
-    def effective_tflops(self) -> float:
-        return self.prefill.tflops
-
-    @property
     def calibrated(self) -> bool:
         return bool(self.calibration)
 

@@ -482,10 +482,6 @@ def loo_fit(rows: list[Row], row: Row, spec: dict[str, dict[str, Any]]) -> Devic
     return fit_all(rest, sub)[row.device]
 
 
-def loo_predict_us(rows: list[Row], row: Row, spec: dict[str, dict[str, Any]]) -> float:
-    return predict_us(loo_fit(rows, row, spec), row)
-
-
 # -- devices_fit.toml -----------------------------------------------------------------
 
 

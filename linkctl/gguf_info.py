@@ -80,11 +80,6 @@ def quant_sizes() -> dict[int, tuple[int, int]]:
 
 
 @cache
-def type_names() -> dict[int, str]:
-    return {int(t): t.name for t in _constants().GGMLQuantizationType}
-
-
-@cache
 def known_architectures() -> frozenset[str]:
     return frozenset(_constants().MODEL_ARCH_NAMES.values())
 
@@ -103,10 +98,6 @@ class TensorInfo:
         for d in self.shape:
             n *= d
         return n
-
-    @property
-    def type_name(self) -> str:
-        return type_names().get(self.type_id, f"type{self.type_id}")
 
     @property
     def layer(self) -> int | None:

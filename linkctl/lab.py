@@ -31,7 +31,6 @@ from linkctl.errors import InputError
 from linkctl.paths import state_dir
 from linkctl.profile import Profile, parse_profile
 
-LAB_NET = ipaddress.IPv4Network("198.18.0.0/15")
 WIFI_IF = "wlan0"
 # Every lab host shares this machine's CPUs with everything else running: a
 # 1000-sample p99 round trip lands at 0.5-2 ms from preemption alone on a busy

@@ -122,10 +122,6 @@ class Plan:
     def touches(self, effect: Effect) -> bool:
         return any(c.has(effect) for c in self.changes)
 
-    def undo_plan(self) -> Plan:
-        """The plan that reverses this one: the undos, last change first."""
-        return Plan([c.undo for c in reversed(self.changes) if c.undo])
-
 
 # Failpoint for tests of the rollback path: names a change action to fail at, or
 # ACTION#N for the Nth change of the plan (1-based) when several share an action.

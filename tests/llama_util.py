@@ -27,12 +27,6 @@ def need_llama():
     return bins
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_listening(host: str, port: int, timeout: float = 10.0) -> None:
     """Wait until something listens, without speaking to it (a connect, then an RST-free close
     before any byte: the servers read nothing and move on)."""

@@ -12,10 +12,11 @@ import sys
 import time
 
 import pytest
-from llama_util import HERE, free_port, need_llama, start_fake, stop
+from llama_util import HERE, need_llama, start_fake, stop
 
 from linkctl import rpc
 from linkctl.errors import InputError
+from linkctl.llama import free_port
 
 
 @pytest.fixture

@@ -21,7 +21,6 @@ import signal
 import socket
 import subprocess
 import threading
-import time
 from typing import Any
 
 from linkctl.errors import InputError
@@ -227,15 +226,3 @@ class Responder:
         finally:
             self._clients.discard(conn)
             conn.close()
-
-
-def wait_listening(address: str, port: int, timeout: float) -> bool:
-    """True once something accepts on address:port (for tests and the boot service)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection((address, port), timeout=0.5):
-                return True
-        except OSError:
-            time.sleep(0.05)
-    return False
