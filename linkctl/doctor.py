@@ -423,8 +423,8 @@ def check_services(
             install,
         )
         return
-    bad_files = [f"{f['path']} {f['state']}" for f in st.files if f["state"] != "ok"]
-    down = [f"{s['name']} {s.get('active')}" for s in st.services if not s.get("ok", True)]
+    bad_files = [f"{f.path} {f.state}" for f in st.files if f.state != "ok"]
+    down = [f"{s.name} {s.active}" for s in st.services if not s.ok]
     if bad_files:
         res.add(
             "services",
@@ -442,7 +442,7 @@ def check_services(
             "see `linkctl service status` and the service logs",
         )
     else:
-        names = ", ".join(s["name"] for s in st.services) or "files only"
+        names = ", ".join(s.name for s in st.services) or "files only"
         res.add("services", "PASS", st.manager, f"{st.manager}: {names}")
 
 

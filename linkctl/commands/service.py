@@ -173,12 +173,12 @@ def service_status(root: RootOpt = Path("/"), json_: JsonOpt = False) -> None:
                 f"{st.manager} services for {st.profile}/{st.host} in {st.root}", markup=False
             )
             for f in st.files:
-                v = "PASS" if f["state"] == "ok" else "FAIL"
-                console.print(f"  {verdict(v)} {f['path']}: {f['state']}")
+                v = "PASS" if f.state == "ok" else "FAIL"
+                console.print(f"  {verdict(v)} {f.path}: {f.state}")
             for s in st.services:
-                v = "PASS" if s["ok"] else "FAIL"
-                pid = f" pid {s['pid']}" if s.get("pid") else ""
-                detail = f" ({s['sub']})" if s.get("sub") else ""
-                console.print(f"  {verdict(v)} {s['name']}: {s['active']}{detail}{pid}")
+                v = "PASS" if s.ok else "FAIL"
+                pid = f" pid {s.pid}" if s.pid else ""
+                detail = f" ({s.sub})" if s.sub else ""
+                console.print(f"  {verdict(v)} {s.name}: {s.active}{detail}{pid}")
     if not st.ok:
         raise typer.Exit(1)

@@ -1,0 +1,63 @@
+"""systemd (Linux): units in /etc/systemd/system, systemctl through the runner."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from linkctl.service.manager import FileAction, UnitStatus
+from linkctl.service.render import SYSTEMD_UNITS, UNIT_DIR, render_systemd
+
+if TYPE_CHECKING:
+    from linkctl.profile import HostSpec, Profile
+    from linkctl.runner import Runner
+    from linkctl.service.render import ServicePaths
+
+
+class Systemd:
+    name = "systemd"
+    dynamic_user = True
+    extra_dirs: tuple[str, ...] = ()
+    start_hint = "systemctl enable --now"
+
+    def render(self, profile: Profile, host: HostSpec, paths: ServicePaths) -> dict[str, str]:
+        return render_systemd(profile, host, paths)
+
+    def service_names(self) -> list[str]:
+        return list(SYSTEMD_UNITS)
+
+    def install_commands(self, names: list[str], files: list[FileAction]) -> list[list[str]]:
+        changed = [f for f in files if f.action != "unchanged"]
+        cmds: list[list[str]] = []
+        if changed:
+            cmds.append(["systemctl", "daemon-reload"])
+        # --no-block: the link unit's gate may wait minutes for the peer.
+        cmds.append(["systemctl", "enable", "--now", "--no-block", *names])
+        units_changed = [Path(f.path).name for f in changed if f.path.startswith(UNIT_DIR)]
+        if units_changed:
+            cmds.append(["systemctl", "try-restart", "--no-block", *units_changed])
+        return cmds
+
+    def uninstall_commands(self, names: list[str]) -> tuple[list[list[str]], list[list[str]]]:
+        return (
+            [["systemctl", "disable", "--now", *names]],
+            [["systemctl", "daemon-reload"], ["systemctl", "reset-failed", *names]],
+        )
+
+    def unit_status(self, runner: Runner, name: str) -> UnitStatus:
+        r = runner.run(
+            ["systemctl", "show", name, "-p", "ActiveState,SubState,UnitFileState,Result,MainPID"],
+            check=False,
+            timeout=15,
+        )
+        props = dict(line.split("=", 1) for line in r.stdout.splitlines() if "=" in line)
+        active = props.get("ActiveState", "unknown")
+        return UnitStatus(
+            name=name,
+            active=active,
+            ok=active in ("active", "activating", "reloading"),
+            sub=props.get("SubState"),
+            enabled=props.get("UnitFileState"),
+            result=props.get("Result"),
+            pid=int(props.get("MainPID", "0") or 0) or None,
+        )
