@@ -19,16 +19,20 @@ from linkctl.plan import FAULT_ENV
 
 @dataclass
 class _Saved:
-    """A file's bytes and mode before a step changed it (None: it did not exist)."""
+    """A file as it was before a step changed it (data None: it did not exist), so the
+    undo puts back its bytes, mode, owner and mtime."""
 
     data: bytes | None
     mode: int = 0o644
+    owner: tuple[int, int] = (0, 0)
+    mtime_ns: int = 0
 
     @classmethod
     def of(cls, p: Path) -> _Saved:
         if not p.is_file():
             return cls(None)
-        return cls(p.read_bytes(), p.stat().st_mode & 0o7777)
+        st = p.stat()
+        return cls(p.read_bytes(), st.st_mode & 0o7777, (st.st_uid, st.st_gid), st.st_mtime_ns)
 
     def put_back(self, p: Path) -> None:
         if self.data is None:
@@ -37,6 +41,9 @@ class _Saved:
         tmp = p.with_name(f".{p.name}.linkctl-undo")
         tmp.write_bytes(self.data)
         os.chmod(tmp, self.mode)
+        if os.geteuid() == 0:
+            os.chown(tmp, *self.owner)
+        os.utime(tmp, ns=(self.mtime_ns, self.mtime_ns))
         os.replace(tmp, p)
 
 
