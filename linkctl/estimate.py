@@ -57,6 +57,7 @@ from __future__ import annotations
 import itertools
 import struct
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from typing import Any, Literal
 
 from linkctl.catalog import DecodeTerms, Device, PrefillTerms
@@ -155,6 +156,47 @@ class Scenario:
         return max(self.terms_us, key=lambda k: self.terms_us[k]) if self.terms_us else "-"
 
 
+class Recommendation(StrEnum):
+    """What the model advises; the values are `estimate --json`'s "recommendation"."""
+
+    SPLIT_NEEDED = "split needed"
+    SPLIT_FASTER = "split faster"
+    RUN_LOCALLY = "run locally"
+
+
+class Because(StrEnum):
+    """Why: which comparison decided the recommendation."""
+
+    NO_RPC_HOST = "no_rpc_host"
+    HEAD_TOO_SMALL = "head_too_small"
+    SPLIT_FASTER = "split_faster"  # the best split decodes >= 5 % faster than local
+    LOCAL_NOT_SLOWER = "local_not_slower"
+
+
+# The best split must beat local decode by this factor to be advised: within 5 % the
+# prediction's own error decides, and local has no link to fail.
+SPLIT_MARGIN = 0.95
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The recommendation with the figures that decided it; the sentence is made from
+    it by linkctl.estimate_report.reason."""
+
+    recommendation: Recommendation
+    because: Because
+    need_bytes: int  # the model (weights + KV cache at ctx) on one device
+    head_free_bytes: int
+    local_decode_tok_s: float
+    split_decode_tok_s: float | None  # the recommended split; None without RPC hosts
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self) | {
+            "recommendation": self.recommendation.value,
+            "because": self.because.value,
+        }
+
+
 @dataclass
 class Estimate:
     model: dict[str, Any]
@@ -165,8 +207,7 @@ class Estimate:
     local: Scenario | None
     split: Scenario | None  # the default (llama.cpp) or --tensor-split split
     recommended: Scenario | None  # memory-feasible split minimising decode time
-    recommendation: str
-    reason: str
+    verdict: Verdict
     network_per_layer_us: float
     layer_us: float  # mean decode time of one layer on the split's busiest device
     link_equiv_layers: float
@@ -193,8 +234,8 @@ class Estimate:
             "recommended_tensor_split": (
                 ",".join(map(str, self.recommended.tensor_split)) if self.recommended else None
             ),
-            "recommendation": self.recommendation,
-            "reason": self.reason,
+            "recommendation": self.verdict.recommendation.value,
+            "verdict": self.verdict.as_dict(),
             "network_per_token_us": self.split.network_us if self.split else 0.0,
             "network_per_layer_us": self.network_per_layer_us,
             "layer_us": self.layer_us,
@@ -203,8 +244,33 @@ class Estimate:
             "warnings": self.warnings,
         }
 
+    @property
+    def recommendation(self) -> Recommendation:
+        return self.verdict.recommendation
+
 
 # -- llama.cpp's layer assignment --------------------------------------------------
+
+
+def _verdict(
+    local: Scenario, recommended: Scenario | None, need_bytes: int, head_free: int
+) -> Verdict:
+    if recommended is None:
+        rec, why = Recommendation.RUN_LOCALLY, Because.NO_RPC_HOST
+    elif not local.fits:
+        rec, why = Recommendation.SPLIT_NEEDED, Because.HEAD_TOO_SMALL
+    elif recommended.decode_us < local.decode_us * SPLIT_MARGIN:
+        rec, why = Recommendation.SPLIT_FASTER, Because.SPLIT_FASTER
+    else:
+        rec, why = Recommendation.RUN_LOCALLY, Because.LOCAL_NOT_SLOWER
+    return Verdict(
+        rec,
+        why,
+        need_bytes,
+        head_free,
+        local.decode_tok_s,
+        recommended.decode_tok_s if recommended else None,
+    )
 
 
 def _f32(x: float) -> float:
@@ -661,28 +727,7 @@ def estimate(
             "use a smaller quantization, a smaller --ctx, or add a device",
         )
 
-    if recommended is None:
-        rec, why = "run locally", "no RPC host in the profile"
-    elif not local.fits:
-        rec = "split needed"
-        why = (
-            f"the model needs {total_need / GIB:.1f} GiB and the head holds "
-            f"{head.free_bytes / GIB:.1f} GiB"
-        )
-    elif recommended.decode_us < local.decode_us * 0.95:
-        rec = "split faster"
-        why = (
-            f"split decode {recommended.decode_tok_s:.1f} tok/s vs local "
-            f"{local.decode_tok_s:.1f} tok/s"
-        )
-    else:
-        rec = "run locally"
-        why = (
-            f"local decode {local.decode_tok_s:.1f} tok/s vs best split "
-            f"{recommended.decode_tok_s:.1f} tok/s: the link and the slower device cost more "
-            "than they save"
-        )
-
+    verdict = _verdict(local, recommended, total_need, head.free_bytes)
     ref = split or local
     per_layer = ref.network_us / n_layer if ref.network_us else 0.0
     busiest = max(ref.devices, key=lambda d: len(d.layers))
@@ -713,8 +758,7 @@ def estimate(
         local=local,
         split=split,
         recommended=recommended,
-        recommendation=rec,
-        reason=why,
+        verdict=verdict,
         network_per_layer_us=per_layer,
         layer_us=layer_us,
         link_equiv_layers=equiv,

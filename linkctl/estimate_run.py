@@ -1,5 +1,6 @@
 """Gather what `linkctl estimate` needs (profile, probe report, calibrations, the
-GGUF header), call the pure model in linkctl.estimate, render the result."""
+GGUF header) and call the pure model in linkctl.estimate; linkctl.estimate_report
+renders the result."""
 
 from __future__ import annotations
 
@@ -178,83 +179,3 @@ def run_estimate(
     est.warnings += notes
     est.model["split_order"] = [p.host for p in split_devices(parts)]
     return est
-
-
-def _gib(b: float) -> str:
-    return f"{b / GIB:.1f} GiB"
-
-
-def render(est: Estimate) -> None:
-    from linkctl.output import console
-
-    m = est.model
-    moe = (
-        f", MoE {m['expert_used_count']}/{m['expert_count']} experts per token"
-        if m["expert_count"]
-        else ""
-    )
-    console.print(
-        f"[bold]{m['name'] or Path(m['path']).name}[/] ({m['architecture']}, "
-        f"{m['block_count']} layers, {_gib(m['total_bytes'])} weights{moe})"
-    )
-    if est.link:
-        console.print(
-            f"link: RTT {est.link.rtt_us:.0f} µs, {est.link.throughput_gbps:.2f} Gbit/s "
-            f"[dim]({est.link.source})[/]"
-        )
-    fits = "[green]yes[/]" if est.fits_head_alone else "[red]no[/]"
-    local = est.local
-    assert local is not None
-    console.print(
-        f"fits on the head alone at ctx {est.ctx}: {fits} "
-        f"(needs {_gib(local.devices[0].need_bytes)}, has "
-        f"{_gib(local.devices[0].free_bytes)})"
-    )
-    console.print()
-    console.print(f"{'':22}{'decode tok/s':>14}{'prefill tok/s':>15}  split (layers+output)")
-    rows = [("local only", local)]
-    if est.split:
-        rows.append(("split (llama.cpp)", est.split))
-    if est.recommended:
-        rows.append(("split (recommended)", est.recommended))
-    for label, sc in rows:
-        note = "" if sc.fits else "  [red]does not fit[/]"
-        split = ",".join(map(str, sc.tensor_split)) if sc.name != "local" else "-"
-        console.print(f"{label:22}{sc.decode_tok_s:>14.1f}{sc.prefill_tok_s:>15.0f}  {split}{note}")
-    console.print(
-        f"[dim]decode at context position {est.depth} (--depth; default: right after the "
-        f"--prompt); prefill of the --prompt tokens[/]"
-    )
-    full = f"at {est.ctx} (full)"
-    console.print(f"{'decode tok/s by depth':22}{'at 0':>14}{full:>18}")
-    for label, sc in rows:
-        console.print(f"{label:22}{sc.decode_tok_s_depth0:>14.1f}{sc.decode_tok_s_full_ctx:>18.1f}")
-    if est.split:
-        s = est.split
-        console.print()
-        console.print(
-            f"network per token: {s.network_us:.0f} µs = {s.round_trips_per_token} round trip(s) "
-            f"x {est.link.rtt_us:.0f} µs + {s.bytes_crossing_per_token / 1024:.1f} KiB transfer "
-            f"({s.network_transfer_us:.0f} µs)"
-            + (f" + RPC overhead {s.network_overhead_us:.0f} µs" if s.network_overhead_us else "")
-        )
-        console.print(
-            f"network per layer: {est.network_per_layer_us:.1f} µs; one layer decodes in "
-            f"{est.layer_us:.0f} µs, so the link costs as much as {est.link_equiv_layers:.2f} "
-            "layers per token"
-        )
-        console.print(f"[dim]{est.per_layer_derivation}[/]")
-        console.print(
-            f"dominant term (split): {s.dominant} "
-            f"({s.terms_us[s.dominant]:.0f} µs of {s.decode_us:.0f} µs per token)"
-        )
-    if est.recommended:
-        order = est.model.get("split_order", [])
-        console.print(
-            f"recommended --tensor-split {','.join(map(str, est.recommended.tensor_split))}"
-            f" [dim](order: {', '.join(order)})[/]"
-        )
-    console.print()
-    console.print(f"[bold]recommendation: {est.recommendation}[/] — {est.reason}")
-    for w in est.warnings:
-        console.print(f"[yellow]note:[/] {w}")

@@ -240,9 +240,13 @@ def choose_split(
     if choice.mode == "recommended":
         choice.tensor_split = [float(c) for c in sc.tensor_split]
         choice.order = order
-        choice.recommendation = est.recommendation
-        if est.recommendation == "run locally":
-            choice.notes.append(f"the estimate says run locally: {est.reason}")
+        choice.recommendation = est.recommendation.value
+        from linkctl.estimate import Recommendation
+
+        if est.recommendation is Recommendation.RUN_LOCALLY:
+            from linkctl.estimate_report import reason
+
+            choice.notes.append(f"the estimate says run locally: {reason(est.verdict)}")
     elif choice.mode == "llama":
         choice.order = order
         choice.notes.append(

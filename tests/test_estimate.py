@@ -14,6 +14,7 @@ from linkctl.estimate import (
     GIB,
     RPC_ROUND_TRIPS_PER_TOKEN,
     RPC_TOKEN_EXTRA_BYTES,
+    Because,
     LinkFigures,
     Participant,
     estimate,
@@ -21,6 +22,7 @@ from linkctl.estimate import (
     scenario,
     slots_from_counts,
 )
+from linkctl.estimate_report import reason
 from linkctl.gguf_info import read_model
 
 
@@ -154,6 +156,11 @@ def test_recommendation_split_needed_when_head_is_too_small(models):
     est = estimate(m, pair(head_gib=30, rpc_gib=30), LINK, ctx=2048)
     assert not est.fits_head_alone
     assert est.recommendation == "split needed"
+    assert est.verdict.because is Because.HEAD_TOO_SMALL
+    assert reason(est.verdict) == (
+        f"the model needs {est.local.devices[0].need_bytes / GIB:.1f} GiB and the head "
+        "holds 30.0 GiB"
+    )
     rec = est.recommended
     assert rec is not None and rec.fits
     assert all(d.need_bytes <= d.free_bytes for d in rec.devices)
@@ -178,6 +185,10 @@ def test_recommended_split_is_no_slower_than_any_feasible_split(models):
 def test_run_locally_when_it_fits_and_the_head_is_faster(models):
     est = estimate(models["7b"], pair(head_bw=800, rpc_bw=200), LINK, ctx=2048)
     assert est.fits_head_alone and est.recommendation == "run locally"
+    assert reason(est.verdict).startswith(
+        f"local decode {est.local.decode_tok_s:.1f} tok/s vs best split "
+        f"{est.recommended.decode_tok_s:.1f} tok/s: the link"
+    )
 
 
 def test_split_faster_when_the_rpc_host_is_much_faster(models):
@@ -189,6 +200,10 @@ def test_split_faster_when_the_rpc_host_is_much_faster(models):
     est = estimate(models["70b"], parts, LINK, ctx=2048)
     assert est.recommendation == "split faster"
     assert est.recommended.decode_tok_s > est.local.decode_tok_s
+    assert reason(est.verdict) == (
+        f"split decode {est.recommended.decode_tok_s:.1f} tok/s vs local "
+        f"{est.local.decode_tok_s:.1f} tok/s"
+    )
 
 
 def test_cpu_head_holds_no_layers(models):

@@ -112,7 +112,7 @@ def register(app: typer.Typer) -> None:
 
         Example: linkctl estimate --model /models/qwen3-235b-q4.gguf --ctx 32768 --depth 8192
         """
-        from linkctl.estimate_run import render, run_estimate
+        from linkctl.estimate_run import run_estimate
 
         prof, _ = load(profile)
         est = run_estimate(
@@ -143,16 +143,16 @@ def register(app: typer.Typer) -> None:
                 calibration=calibration or [],
                 ctx=ctx,
             )
+        from linkctl import estimate_report as report
+
         if json_out:
             from linkctl.output import print_json
 
-            print_json(est.as_dict() | {"serving": de.as_dict() if de else None})
+            print_json(report.as_json(est, de))
         else:
-            render(est)
+            report.render(est)
             if de:
-                from linkctl.disagg_estimate import render as render_serving
-
-                render_serving(de)
+                report.render_serving(de)
 
     @app.command("calibrate")
     def calibrate_cmd(
