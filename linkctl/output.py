@@ -24,8 +24,10 @@ class _LazyConsole:
         return getattr(self._console, name)
 
 
-console = _LazyConsole(highlight=False, soft_wrap=True)
-err_console = _LazyConsole(stderr=True, highlight=False, soft_wrap=True)
+# emoji=False: linkctl prints no emoji, and text such as a MAC or a path is never
+# searched for :name: codes (nor rich's ~4 ms emoji table loaded to look them up).
+console = _LazyConsole(highlight=False, soft_wrap=True, emoji=False)
+err_console = _LazyConsole(stderr=True, highlight=False, soft_wrap=True, emoji=False)
 
 VERDICT_STYLE = {"PASS": "green", "WARN": "yellow", "FAIL": "red", "SKIP": "dim", "INFO": "cyan"}
 
