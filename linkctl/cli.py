@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import logging
 import os
 import re
 import sys
@@ -76,6 +75,8 @@ def _root(
     ),
 ) -> None:
     if verbose or os.environ.get("LINKCTL_VERBOSE"):
+        import logging
+
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
 

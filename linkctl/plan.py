@@ -8,7 +8,6 @@ machine is left as it was.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -17,7 +16,12 @@ from typing import Any
 
 from linkctl.errors import ApplyError, LinkctlError
 
-log = logging.getLogger("linkctl.plan")
+
+def _log(msg: str, *args: object) -> None:
+    # logging is imported on the first change applied: read-only commands never need it.
+    import logging
+
+    logging.getLogger("linkctl.plan").info(msg, *args)
 
 
 class Kind(StrEnum):
@@ -149,7 +153,7 @@ def apply(
         for n, change in enumerate(plan.changes, start=1):
             if before:
                 before(change)
-            log.info("apply: %s", change.summary)
+            _log("apply: %s", change.summary)
             if os.environ.get(FAULT_ENV) in (change.action, f"{change.action}#{n}"):
                 raise ApplyError(f"injected fault before {change.summary!r} ({FAULT_ENV})")
             execute(change)
@@ -183,7 +187,7 @@ def rollback(applied: list[Change], execute: Executor) -> list[str]:
         if change.undo is None:
             continue
         try:
-            log.info("rollback: %s", change.undo.summary)
+            _log("rollback: %s", change.undo.summary)
             execute(change.undo)
         except Exception as e:  # keep undoing the rest
             failures.append(f"{change.undo.summary}: {_reason(e)}")
