@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from linkctl.catalog import load_spec
-from linkctl.devicefit import fit_all, load_rows, loo_fit, predict_us, row_model, row_time_us
+from linkctl.devicefit import fit_units, load_rows, loo_fit, predict_us, row_model, row_time_us
 
 TARGET = {"decode": 0.15, "prefill": 0.25}
 # Leave-one-out needs at least this many other rows of the row's kind on its device:
@@ -44,7 +44,7 @@ def main() -> int:
     a = ap.parse_args()
     rows = load_rows()
     spec = load_spec()
-    fits = fit_all(rows, spec)
+    fits = fit_units(rows, spec)
     out = []
     for r in rows:
         if a.device and r.device != a.device:
@@ -69,10 +69,10 @@ def main() -> int:
             out.append(d)
             continue
         t = row_time_us(r)
-        ins = r.tok_s * t / predict_us(fits[r.device], r)
+        ins = r.tok_s * t / predict_us(fits[(r.device, r.group)], r)
         lf = loo_fit(rows, r, spec)
         loo = r.tok_s * t / predict_us(lf, r)
-        lost = sorted(k for k, v in lf.notes.items() if v != fits[r.device].notes.get(k))
+        lost = sorted(k for k, v in lf.notes.items() if v != fits[(r.device, r.group)].notes.get(k))
         left = lf.n_decode if r.kind == "decode" else lf.n_prefill
         testable = left >= LOO_MIN_LEFT
         d |= {

@@ -73,6 +73,10 @@ class Row:
     read: str
     params_b: float | None = None
     exclude: str | None = None
+    # The build a row's source ran, where it is not the current one its device's other
+    # rows ran (source `fit_group`): such rows are fitted as their own unit, never mixed
+    # into the device's catalog terms (one set of terms cannot be two builds).
+    group: str = ""
 
     @property
     def kind(self) -> str:
@@ -117,6 +121,7 @@ def load_rows(path: Path | None = None) -> list[Row]:
                     date=str(src.get("date", "")),
                     read=src.get("read", "source"),
                     exclude=r.get("exclude"),
+                    group=str(src.get("fit_group", "")),
                 )
             )
     return rows
@@ -248,7 +253,10 @@ def _full_rank(rows: list[Row], n_coef: int, ties: dict, fixed: dict) -> bool:
     A = np.asarray(a, dtype=float)
     scale = np.abs(A).max(axis=0)
     A = A / np.where(scale > 0, scale, 1.0)
-    return int(np.linalg.matrix_rank(A, tol=1e-6)) == len(free)
+    # Near-collinear counts as collinear: an F16 row's few quantized FLOPS (its
+    # quantized output head) must not be what "separates" a per-micro-batch cost.
+    sv = np.linalg.svd(A, compute_uv=False)
+    return bool(len(sv) == len(free) and sv.min() > 1e-3 * sv.max())
 
 
 def _solve_pinned(
@@ -262,22 +270,30 @@ def _solve_pinned(
     notes: dict[str, str],
     src: str,
 ) -> list[float]:
-    """Fit; a throughput term the rows leave at zero cost (unbounded) is fixed at the
-    prior and the rest refitted around it (not added on top of a fit that spent its
-    time elsewhere), with any term tied to it fixed at the same ratio."""
+    """Fit; a throughput term the rows leave at zero cost (unbounded) is tied to the
+    quantized one at the prior's ratio (the main one: fixed at the prior, with what is
+    tied to it) and the rest refitted around it, not added on top of a fit that spent
+    its time elsewhere. Ratios carry across a family better than absolute rates."""
+    main = throughput[0]
     c = _solve(rows, n_coef, ties, fixed)
     for _ in throughput:
-        bad = [i for i in throughput if c[i] <= 0 and i not in fixed]
+        bad = [i for i in throughput if c[i] <= 0 and i not in fixed and i not in ties]
         if not bad:
             break
         i = bad[0]
-        ties.pop(i, None)
-        fixed[i] = prior[i]
-        for j, (p, k) in list(ties.items()):
-            if p == i:
-                del ties[j]
-                fixed[j] = k * prior[i]
-        notes[names[i]] = f"assumed (not pinned by the rows): {src}"
+        if i != main and main not in fixed:
+            r = prior[i] / prior[main] if prior[main] > 0 else 1.0
+            ties[i] = (main, r)
+            notes[names[i]] = (
+                f"assumed (not pinned by the rows): {names[main]} x the ratio in {src}"
+            )
+        else:
+            fixed[i] = prior[i]
+            for j, (p, k) in list(ties.items()):
+                if p == i:
+                    del ties[j]
+                    fixed[j] = k * prior[i]
+            notes[names[i]] = f"assumed (not pinned by the rows): {src}"
         c = _solve(rows, n_coef, ties, fixed)
     return c
 
@@ -448,13 +464,47 @@ def fit_device(
     return DeviceFit(dc, pc, notes, len(dec_rows), len(pre_rows))
 
 
-def fit_all(rows: list[Row], spec: dict[str, dict[str, Any]] | None = None) -> dict[str, DeviceFit]:
+def catalog_group(rows: list[Row], device: str) -> str:
+    """The build group a device's catalog terms come from: its current-build rows
+    (no `fit_group`), else, where it has only older-build rows, the newest of those."""
+    groups = {r.group for r in rows if r.device == device and not r.exclude}
+    return "" if "" in groups or not groups else max(groups)
+
+
+def fit_units(
+    rows: list[Row],
+    spec: dict[str, dict[str, Any]] | None = None,
+    also: tuple[str, str] | None = None,
+) -> dict[tuple[str, str], DeviceFit]:
+    """Every (device, build group) with rows fitted on its own: the catalog's (from
+    fit_all) plus each older-build group, which borrows from the same family anchors
+    (`also`: a unit to include even with no rows: then it is the family assumption)."""
     spec = spec or load_spec()
+    fits, anchors = _fit_catalog(rows, spec)
     used = [r for r in rows if not r.exclude and r.device in spec]
-    unknown = sorted({r.device for r in used} - set(spec))
+    out = {(k, catalog_group(rows, k)): f for k, f in fits.items()}
+    for key, group in sorted({(r.device, r.group) for r in used} | ({also} if also else set())):
+        if (key, group) not in out:
+            unit = [r for r in used if r.device == key and r.group == group]
+            out[(key, group)] = fit_device(key, spec, unit, anchors)
+    return out
+
+
+def fit_all(rows: list[Row], spec: dict[str, dict[str, Any]] | None = None) -> dict[str, DeviceFit]:
+    """The catalog: one fit per device, from the rows of its catalog_group."""
+    return _fit_catalog(rows, spec or load_spec())[0]
+
+
+def _fit_catalog(
+    rows: list[Row], spec: dict[str, dict[str, Any]]
+) -> tuple[dict[str, DeviceFit], dict[str, tuple[str, DeviceFit]]]:
+    used = [r for r in rows if not r.exclude and r.device in spec]
+    unknown = sorted({r.device for r in rows if not r.exclude} - set(spec))
     if unknown:
         raise InputError(f"benchmark rows name devices not in the catalog: {', '.join(unknown)}")
-    by_dev = {k: [r for r in used if r.device == k] for k in spec}
+    by_dev = {
+        k: [r for r in used if r.device == k and r.group == catalog_group(used, k)] for k in spec
+    }
     anchors: dict[str, tuple[str, DeviceFit]] = {}
     for fam in sorted({d["family"] for d in spec.values()}):
         members = [k for k in spec if spec[k]["family"] == fam and by_dev[k]]
@@ -465,7 +515,7 @@ def fit_all(rows: list[Row], spec: dict[str, dict[str, Any]] | None = None) -> d
     for k in spec:
         a = anchors.get(spec[k]["family"])
         out[k] = a[1] if a and a[0] == k else fit_device(k, spec, by_dev[k], anchors)
-    return out
+    return out, anchors
 
 
 def predict_us(fit: DeviceFit, row: Row) -> float:
@@ -474,12 +524,12 @@ def predict_us(fit: DeviceFit, row: Row) -> float:
 
 
 def loo_fit(rows: list[Row], row: Row, spec: dict[str, dict[str, Any]]) -> DeviceFit:
-    """The row's device refitted without the row (its family anchor refitted likewise;
-    other families cannot reach it)."""
+    """The row's unit (device, build group) refitted without the row (its family
+    anchor refitted likewise; other families cannot reach it)."""
     fam = spec[row.device]["family"]
     sub = {k: v for k, v in spec.items() if v["family"] == fam}
     rest = [r for r in rows if r.index != row.index and r.device in sub]
-    return fit_all(rest, sub)[row.device]
+    return fit_units(rest, sub, (row.device, row.group))[(row.device, row.group)]
 
 
 # -- devices_fit.toml -----------------------------------------------------------------
@@ -504,12 +554,17 @@ def render_fit_toml(fits: dict[str, DeviceFit], rows: list[Row]) -> str:
     for key, f in fits.items():
         dec, pre = terms(f)
         n_rows = f.n_decode + f.n_prefill
-        srcs = sorted({r.source for r in rows if r.device == key and not r.exclude})
+        group = catalog_group(rows, key)
+        mine = [r for r in rows if r.device == key and not r.exclude]
+        srcs = sorted({r.source for r in mine if r.group == group})
+        older = sorted({r.group.split(":")[0] for r in mine if r.group != group})
         summary = (
             f"fitted to {f.n_decode} decode + {f.n_prefill} prefill public llama-bench rows"
             if n_rows
             else "assumed: no public llama-bench rows for this device"
         )
+        if older:
+            summary += f" (older-build rows fitted apart, not used here: {', '.join(older)})"
         lines += [f"[{key}]", f'summary = "{summary}"']
         if srcs:
             lines.append("sources = [" + ", ".join(f'"{s}"' for s in srcs) + "]")
