@@ -10,6 +10,11 @@ the host's namespace, as a user runs it on the real host; the demo only
 sequences them and reads their JSON. Whatever happens (failure, Ctrl-C,
 SIGTERM) the lab's processes, namespaces and files are removed; the report
 and the step logs stay in the state directory.
+
+Shape: each stage is a Step (a title, run(ctx), cleanup(ctx)) over one typed
+DemoContext; `steps()` yields them in order (lazily: later titles name the lab's
+hosts), and Demo runs them, prints progress, and on any exit undoes every step
+that started, in reverse.
 """
 
 from __future__ import annotations
@@ -80,6 +85,7 @@ class Background:
 
     def __init__(self, what: str, proc: subprocess.Popen, log: Path):
         self.what, self.proc, self.log = what, proc, log
+        self.stopped = False
 
     def tail(self, n: int = 3) -> str:
         try:
@@ -89,7 +95,11 @@ class Background:
         return " | ".join(lines[-n:])
 
     def stop(self, timeout: float = 15) -> None:
-        """SIGTERM (linkctl's supervisors forward it to llama.cpp), then SIGKILL the group."""
+        """SIGTERM (linkctl's supervisors forward it to llama.cpp), then SIGKILL the group.
+        Once only: after that the pid (the group's id) may belong to someone else."""
+        if self.stopped:
+            return
+        self.stopped = True
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.send_signal(signal.SIGTERM)
@@ -102,34 +112,37 @@ class Background:
 
 
 @dataclass
-class Demo:
+class DemoContext:
+    """What the steps share: the options, the lab, its paths and the results so far."""
+
     profile: Profile
     opts: DemoOptions
-    say: Callable[[str], None] = lambda _m: None
-    runner: Runner = field(default_factory=default_runner)
+    rate_bps: int | None
+    out_dir: Path  # report and logs: in the state directory, outside the lab
+    runner: Runner
+    say: Callable[[str], None]
     lab: labmod.Lab | None = None
+    prof_path: Path = Path()  # the lab profile with the demo's model, threads and ctx
+    head_prof_path: Path = Path()  # the head's copy (rpc ports at the delay proxies)
+    model_path: Path = Path()
+    prof: dict[str, Any] = field(default_factory=dict)  # prof_path, parsed
     background: list[Background] = field(default_factory=list)
-    steps: list[dict[str, Any]] = field(default_factory=list)
+    cal_files: list[str] = field(default_factory=list)  # the rpc hosts' calibrations
+    rtts: list[float] = field(default_factory=list)  # RPC round trip p50 per rpc host
     report: dict[str, Any] = field(default_factory=dict)
 
-    # ---- plumbing -----------------------------------------------------------------
+    @property
+    def head(self) -> str:
+        return next(h["name"] for h in self.prof["hosts"] if h["role"] == "head")
 
     @property
-    def out_dir(self) -> Path:
-        """Report and logs: in the state directory, outside the lab (which is removed)."""
-        return state_dir() / "demo" / self.opts.name
+    def rpc_hosts(self) -> list[dict[str, Any]]:
+        return [h for h in self.prof["hosts"] if h["role"] == "rpc"]
 
-    @contextlib.contextmanager
-    def step(self, title: str) -> Iterator[dict[str, Any]]:
-        info: dict[str, Any] = {"step": title}
-        self.say(f"[{len(self.steps) + 1:>2}] {title} ...")
-        t0 = time.monotonic()
-        yield info
-        info["seconds"] = round(time.monotonic() - t0, 2)
-        self.steps.append(info)
-        self.say(f"     {info.get('result', 'done')} ({info['seconds']:.1f} s)")
+    def log(self, name: str) -> Path:
+        return self.out_dir / "logs" / name
 
-    def _argv(self, host: str, argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    def argv(self, host: str, argv: list[str]) -> tuple[list[str], dict[str, str]]:
         assert self.lab is not None
         argv, env = labmod.exec_argv(self.lab, host, argv)
         # Caches the children write under $HOME (scapy's tables, rpc-server's tensor
@@ -139,11 +152,18 @@ class Demo:
         env.update(XDG_CONFIG_HOME=str(home / ".config"))
         return argv, env
 
+    def run_in(self, host: str, argv: list[str], log: Path, timeout: float) -> Result:
+        """Run ``argv`` inside ``host``'s namespace, output to ``log``; never raises on exit."""
+        full, env = self.argv(host, argv)
+        r = self.runner.run(full, timeout=timeout, check=False, env=env)
+        log.write_text(r.stdout + r.stderr)
+        return r
+
     def linkctl(self, host: str, *args: str, timeout: float = 180) -> Result:
         """Run `linkctl ARGS` inside ``host``'s namespace; a failure stops the demo."""
-        argv, env = self._argv(host, ["linkctl", *args])
+        argv, env = self.argv(host, ["linkctl", *args])
         r = self.runner.run(argv, timeout=timeout, check=False, env=env)
-        log = self.out_dir / "logs" / f"{host}-{args[0]}.log"
+        log = self.log(f"{host}-{args[0]}.log")
         log.write_text(f"$ linkctl {' '.join(args)}\n{r.stdout}\n{r.stderr}")
         if r.returncode != 0:
             last = (r.stderr.strip() or r.stdout.strip() or "no output").splitlines()[-1]
@@ -156,8 +176,8 @@ class Demo:
         return json.loads(self.linkctl(host, *args, "--json", timeout=timeout).stdout)
 
     def start(self, host: str, what: str, argv: list[str]) -> Background:
-        full, env = self._argv(host, argv)
-        log = self.out_dir / "logs" / f"{host}-{what}.log"
+        full, env = self.argv(host, argv)
+        log = self.log(f"{host}-{what}.log")
         with log.open("w") as f:
             proc = self.runner.spawn(
                 full, stdout=f, stderr=subprocess.STDOUT, env=env, new_session=True
@@ -172,10 +192,7 @@ class Demo:
         assert self.lab is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if bg.proc.poll() is not None:
-                raise CheckFailed(
-                    f"{bg.what} exited {bg.proc.returncode}: {bg.tail()}", f"see {bg.log}"
-                )
+            _check_alive(bg)
             with labmod.inside(self.lab.host(host).netns), socket.socket() as s:
                 s.settimeout(0.5)
                 if s.connect_ex((addr, port)) == 0:
@@ -190,10 +207,7 @@ class Demo:
         path = self.lab.host_state_dir(host) / "serve" / f"{role}.json"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if bg.proc.poll() is not None:
-                raise CheckFailed(
-                    f"{bg.what} exited {bg.proc.returncode}: {bg.tail()}", f"see {bg.log}"
-                )
+            _check_alive(bg)
             with contextlib.suppress(OSError, ValueError):
                 st = json.loads(path.read_text())
                 if st.get("state") == "ready":
@@ -201,320 +215,172 @@ class Demo:
             time.sleep(0.2)
         raise CheckFailed(f"{bg.what} not ready within {timeout:g} s: {bg.tail()}", f"see {bg.log}")
 
-    # ---- the run --------------------------------------------------------------------
+    def stop_background(self) -> None:
+        for bg in reversed(self.background):
+            bg.stop()
 
-    def run(self) -> dict[str, Any]:
-        """Run every step; always clean up. Returns the report (also saved)."""
-        rate_bps = self.opts.check()
-        self.out_dir.joinpath("logs").mkdir(parents=True, exist_ok=True)
-        t0 = time.monotonic()
-        old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
-        outcome = "interrupted"
-        try:
-            self._steps(rate_bps)
-            outcome = "ok"
-        except LinkctlError as e:
-            outcome = f"failed: {e.line()}"
-            raise
-        finally:
-            # A second Ctrl-C must not cut the cleanup short and leave namespaces behind.
-            old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            try:
-                self.cleanup()
-            finally:
-                signal.signal(signal.SIGINT, old_int)
-                signal.signal(signal.SIGTERM, old_term)
-            self.report.update(
-                outcome=outcome, total_s=round(time.monotonic() - t0, 1), steps=self.steps
-            )
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            (self.out_dir / "report.json").write_text(json.dumps(self.report, indent=2) + "\n")
-        return self.report
 
-    def _steps(self, rate_bps: int | None) -> None:
-        o = self.opts
-        with self.step(f"lab up: namespaces for {len(self.profile.hosts)} hosts") as s:
-            self.lab = labmod.up(self.profile, o.name)
-            lab = self.lab
-            s["result"] = ", ".join(f"{h.name} {h.address}" for h in lab.hosts)
-        root = Path(lab.root)
-        model_path = root / "tiny.gguf"
-        prof_path, head_prof_path = self._write_profiles(root, model_path, rate_bps)
-        prof = tomllib.loads(prof_path.read_text())
-        head = next(h["name"] for h in prof["hosts"] if h["role"] == "head")
-        rpc_hosts = [h for h in prof["hosts"] if h["role"] == "rpc"]
-        self.report.update(
-            profile=self.profile.name,
-            lab={"name": lab.name, "subnet": prof["link"]["subnet"], "profile": str(prof_path)},
+def _check_alive(bg: Background) -> None:
+    if bg.proc.poll() is not None:
+        raise CheckFailed(f"{bg.what} exited {bg.proc.returncode}: {bg.tail()}", f"see {bg.log}")
+
+
+# ---- the steps ----------------------------------------------------------------------
+
+
+class Step:
+    """One stage of the demo. ``run`` may set the progress line's result; ``cleanup``
+    undoes what ``run`` left running (called, in reverse order, for every step that
+    started, whether it finished or not). A silent step prints nothing and is not in
+    the report's step list."""
+
+    title: str = ""
+    silent: bool = False
+
+    def run(self, ctx: DemoContext) -> str | None:
+        raise NotImplementedError
+
+    def cleanup(self, ctx: DemoContext) -> None:
+        return None
+
+
+class LabUp(Step):
+    def __init__(self, n_hosts: int):
+        self.title = f"lab up: namespaces for {n_hosts} hosts"
+
+    def run(self, ctx: DemoContext) -> str:
+        ctx.lab = lab = labmod.up(ctx.profile, ctx.opts.name)
+        return ", ".join(f"{h.name} {h.address}" for h in lab.hosts)
+
+    def cleanup(self, ctx: DemoContext) -> None:
+        if ctx.lab is not None:
+            ctx.say("cleaning up: lab down")
+            labmod.down(ctx.lab.name)
+
+
+class WriteProfiles(Step):
+    """The lab profile with the demo's model, threads and context; and the head's
+    copy, whose rpc ports point at the delay proxies when there is a delay."""
+
+    silent = True
+
+    def run(self, ctx: DemoContext) -> None:
+        import tomli_w
+
+        assert ctx.lab is not None
+        root = Path(ctx.lab.root)
+        ctx.model_path = root / "tiny.gguf"
+        data = tomllib.loads(Path(ctx.lab.profile_path).read_text())
+        t = ctx.opts.threads
+        data["serve"] |= {"model": str(ctx.model_path), "ctx": MODEL_SPEC["n_ctx"], "threads": t}
+        for h in data["hosts"]:
+            h.setdefault("rpc", {})["threads"] = t
+        if ctx.rate_bps:
+            # The shaped link is slow on purpose: hold it to 80% of the rate set.
+            data["probe"]["min_throughput_gbps"] = round(0.8 * ctx.rate_bps / 1e9, 3)
+        ctx.prof_path = ctx.head_prof_path = root / "demo.toml"
+        ctx.prof_path.write_text(tomli_w.dumps(data))
+        ctx.prof = tomllib.loads(ctx.prof_path.read_text())
+        if ctx.opts.delay_ms:
+            for h in data["hosts"]:
+                if h["role"] == "rpc":
+                    h["rpc"]["port"] += PROXY_PORT_OFFSET
+            ctx.head_prof_path = root / "demo-head.toml"
+            ctx.head_prof_path.write_text(tomli_w.dumps(data))
+        prof, lab = ctx.prof, ctx.lab
+        ctx.report.update(
+            profile=ctx.profile.name,
+            lab={"name": lab.name, "subnet": prof["link"]["subnet"], "profile": str(ctx.prof_path)},
             hosts=[
                 {"name": h.name, "address": h.address, "interface": h.interface} for h in lab.hosts
             ],
-            shaping={"rate_bps": rate_bps, "delay_ms": o.delay_ms},
+            shaping={"rate_bps": ctx.rate_bps, "delay_ms": ctx.opts.delay_ms},
             probe_limits={k: prof["probe"][k] for k in ("max_rtt_p99_us", "min_throughput_gbps")},
         )
-        for h in lab.hosts:
-            with self.step(
-                f"setup on {h.name}: {h.interface} {h.address}, MTU {prof['link']['mtu']}"
-            ):
-                self.linkctl(h.name, "setup", "--profile", str(prof_path))
-        if rate_bps:
-            with self.step(f"shape the link: tbf {rate_bps / 1e9:g} Gbit/s each way"):
-                labmod.shape(lab, rate_bps)
-        for h in rpc_hosts:
-            with self.step(f"responder on {h['name']}"):
-                bg = self.start(
-                    h["name"], "responder", ["linkctl", "responder", "--profile", str(prof_path)]
-                )
-                self.wait_port(
-                    head, h["address"].split("/")[0], prof["probe"]["responder_port"], bg
-                )
-        self.report["link"] = []
-        for h in rpc_hosts:
-            with self.step(f"probe {head} -> {h['name']}") as s:
-                r = self._probe(head, h["name"], prof_path)
-                self.report["link"].append(r)
-                s["result"] = (
-                    f"{'PASS' if r['ok'] else 'FAIL'}: RTT p50 {r['rtt_p50_us']:.0f} µs, "
-                    f"{r['throughput_gbps']:.1f} Gbit/s, path MTU {r['path_mtu']}"
-                )
-                if not r["ok"]:
-                    raise CheckFailed(
-                        f"probe {head} -> {h['name']} failed: {r['failed']}",
-                        f"see {self.out_dir / 'logs'}",
-                    )
-        with self.step("write a tiny random-weight llama GGUF") as s:
-            from linkctl.tinymodel import TinySpec, write_tiny_llama
 
-            m = write_tiny_llama(model_path, TinySpec(**MODEL_SPEC))
-            self.report["model"] = {k: m[k] for k in ("bytes", "n_layer", "n_embd", "params")}
-            s["result"] = f"{m['n_layer']} layers, {m['bytes'] / 1e6:.0f} MB F32"
-        cal_files = []
-        self.report["calibration"] = {}
-        for h in [*rpc_hosts, {"name": head, "role": "head"}]:
-            rpc = h["role"] == "rpc"
-            with self.step(
-                f"calibrate {h['name']}" + (" (behind loopback RPC)" if rpc else "")
-            ) as s:
-                c = self.json_of(
-                    h["name"],
-                    "calibrate",
-                    "--profile",
-                    str(prof_path),
-                    "--model",
-                    str(model_path),
-                    "--threads",
-                    str(o.threads),
-                    "--tokens",
-                    str(CALIBRATE_TOKENS),
-                    "--runs",
-                    str(CALIBRATE_RUNS),
-                    *(["--rpc"] if rpc else []),
-                    timeout=600,
-                )
-                if rpc:
-                    cal_files.append(c["saved_to"])
-                self.report["calibration"][h["name"]] = {
-                    "decode_tok_s": c["decode_tok_s"],
-                    "effective_bandwidth_gbs": c["effective_bandwidth_gbs"],
-                    "rpc_effective_bandwidth_gbs": c.get("rpc_effective_bandwidth_gbs"),
-                }
-                s["result"] = (
-                    f"{c['decode_tok_s']:.1f} tok/s alone, {c['effective_bandwidth_gbs']:.2f} GB/s"
-                )
-        for h in rpc_hosts:
-            endpoint = f"{h['address'].split('/')[0]}:{h['rpc']['port']}"
-            with self.step(f"serve on {h['name']}: rpc-server on {endpoint}"):
-                bg = self.start(
-                    h["name"], "serve", ["linkctl", "serve", "--profile", str(prof_path)]
-                )
-                self.wait_ready(h["name"], "rpc", bg, 60)
-        if o.delay_ms:
-            for h in rpc_hosts:
-                ip, port = h["address"].split("/")[0], h["rpc"]["port"]
-                with self.step(f"delay proxy on {h['name']}: +{o.delay_ms:g} ms each way"):
-                    bg = self.start(
-                        h["name"],
-                        "delayproxy",
-                        [
-                            sys.executable,
-                            "-m",
-                            "linkctl.delayproxy",
-                            "--listen",
-                            f"{ip}:{port + PROXY_PORT_OFFSET}",
-                            "--target",
-                            f"{ip}:{port}",
-                            "--delay-ms",
-                            str(o.delay_ms),
-                        ],
-                    )
-                    self.wait_port(head, ip, port + PROXY_PORT_OFFSET, bg)
-        with self.step(f"doctor on {head}") as s:
-            argv, env = self._argv(
-                head, ["linkctl", "doctor", "--profile", str(prof_path), "--json"]
+
+class Linkctl(Step):
+    """`linkctl ARGS --profile P` on one host; a non-zero exit stops the demo."""
+
+    def __init__(self, title: str, host: str, *args: str):
+        self.title, self.host, self.args = title, host, args
+
+    def run(self, ctx: DemoContext) -> None:
+        ctx.linkctl(self.host, *self.args, "--profile", str(ctx.prof_path))
+
+
+class Shape(Step):
+    def __init__(self, rate_bps: int):
+        self.rate_bps = rate_bps
+        self.title = f"shape the link: tbf {rate_bps / 1e9:g} Gbit/s each way"
+
+    def run(self, ctx: DemoContext) -> None:
+        assert ctx.lab is not None
+        labmod.shape(ctx.lab, self.rate_bps)
+
+
+class BackgroundStep(Step):
+    """A process that keeps running after the step (responder, serve, delay proxy);
+    its cleanup stops it."""
+
+    bg: Background | None = None
+
+    def cleanup(self, ctx: DemoContext) -> None:
+        if self.bg is not None:
+            self.bg.stop()
+
+
+class Responder(BackgroundStep):
+    def __init__(self, host: dict[str, Any]):
+        self.host = host
+        self.title = f"responder on {host['name']}"
+
+    def run(self, ctx: DemoContext) -> None:
+        h = self.host
+        argv = ["linkctl", "responder", "--profile", str(ctx.prof_path)]
+        self.bg = ctx.start(h["name"], "responder", argv)
+        port = ctx.prof["probe"]["responder_port"]
+        ctx.wait_port(ctx.head, h["address"].split("/")[0], port, self.bg)
+
+
+class Probe(Step):
+    def __init__(self, head: str, peer: str):
+        self.head, self.peer = head, peer
+        self.title = f"probe {head} -> {peer}"
+
+    def run(self, ctx: DemoContext) -> str:
+        r = self.probe(ctx)
+        ctx.report.setdefault("link", []).append(r)
+        if not r["ok"]:
+            raise CheckFailed(
+                f"probe {self.head} -> {self.peer} failed: {r['failed']}",
+                f"see {ctx.out_dir / 'logs'}",
             )
-            r = self.runner.run(argv, timeout=120, check=False, env=env)
-            (self.out_dir / "logs" / f"{head}-doctor.log").write_text(r.stdout + r.stderr)
-            lines = json.loads(r.stdout) if r.stdout.strip().startswith("[") else []
-            counts = {v: sum(ln["verdict"] == v for ln in lines) for v in ("PASS", "WARN", "FAIL")}
-            self.report["doctor"] = {"exit_code": r.returncode, **counts}
-            s["result"] = ", ".join(f"{n} {v}" for v, n in counts.items())
-            if r.returncode != 0:
-                failed = "; ".join(
-                    f"{ln['check']}: {ln['detail']}" for ln in lines if ln["verdict"] == "FAIL"
-                )
-                raise CheckFailed(
-                    f"doctor on {head} exited {r.returncode}: {failed or r.stderr.strip()}",
-                    f"see {self.out_dir / 'logs' / f'{head}-doctor.log'}",
-                )
-        rtts = []
-        head_prof = tomllib.loads(head_prof_path.read_text())
-        for h in (x for x in head_prof["hosts"] if x["role"] == "rpc"):
-            ip, port = h["address"].split("/")[0], h["rpc"]["port"]
-            with self.step(f"RPC round trip {head} -> {ip}:{port}") as s:
-                from linkctl.calibrate import rpc_rtt_us
-
-                # Before llama-server connects: rpc-server serves one client at a time.
-                with labmod.inside(lab.host(head).netns):
-                    rtts.append(rpc_rtt_us(port, RPC_RTT_SAMPLES, host=ip))
-                s["result"] = f"p50 {rtts[-1]:.0f} µs over {RPC_RTT_SAMPLES} GET_DEVICE_MEMORY"
-        for entry, rtt in zip(self.report["link"], rtts, strict=True):
-            entry["rpc_rtt_p50_us"] = round(rtt, 1)
-        ctx = len(PROMPT.encode()) + 1 + o.tokens // 2  # byte-level vocab: a token per byte
-        with self.step("estimate on the head") as s:
-            args = [
-                "estimate",
-                "--profile",
-                str(prof_path),
-                "--model",
-                str(model_path),
-                "--ctx",
-                str(ctx),
-            ]
-            for f in cal_files:
-                args += ["--calibration", f]
-            if o.delay_ms:
-                # The probe does not see the proxy's delay; the RPC exchange through it does.
-                args += ["--rtt-us", f"{statistics.mean(rtts):.1f}"]
-            est = self.json_of(head, *args)
-            self.report["predicted"] = {
-                "split_decode_tok_s": est["split"]["decode_tok_s"],
-                "local_decode_tok_s": est["local"]["decode_tok_s"],
-                "network_per_token_us": est["network_per_token_us"],
-                "network_per_layer_us": est["network_per_layer_us"],
-                "rtt_us": est["link"]["rtt_us"],
-                "throughput_gbps": est["link"]["throughput_gbps"],
-                "link_source": est["link"]["source"],
-                "recommendation": est["recommendation"],
-                "reason": est["reason"],
-                "recommended_tensor_split": est["recommended_tensor_split"],
-                "ctx": ctx,
-            }
-            s["result"] = (
-                f"split {est['split']['decode_tok_s']:.1f} tok/s predicted; "
-                f"recommendation: {est['recommendation']}"
-            )
-        with self.step(f"verify on {head}: the split against a reference placement") as s:
-            argv, env = self._argv(
-                head,
-                [
-                    "linkctl",
-                    "verify",
-                    "--profile",
-                    str(head_prof_path),
-                    "--model",
-                    str(model_path),
-                    "--json",
-                ],
-            )
-            r = self.runner.run(argv, timeout=900, check=False, env=env)
-            log = self.out_dir / "logs" / f"{head}-verify.log"
-            log.write_text(r.stdout + r.stderr)
-            v = json.loads(r.stdout) if r.stdout.strip().startswith("{") else {}
-            self.report["verify"] = {
-                "exit_code": r.returncode,
-                "verdict": v.get("verdict"),
-                "summary": v.get("summary"),
-                "elapsed_s": v.get("elapsed_s"),
-            }
-            last = (r.stderr.strip() or "no output").splitlines()[-1]
-            s["result"] = v.get("summary") or last
-            if r.returncode != 0:
-                raise CheckFailed(
-                    f"verify on {head} exited {r.returncode}: {v.get('summary') or last}",
-                    f"see {log}",
-                )
-        with self.step(f"serve on {head}: llama-server --rpc over the link"):
-            bg = self.start(
-                head,
-                "serve",
-                ["linkctl", "serve", "--profile", str(head_prof_path), "--model", str(model_path)],
-            )
-            self.wait_ready(head, "head", bg, 180)
-        with self.step(f"completions: {o.runs} x {o.tokens} tokens through llama-server") as s:
-            from linkctl.calibrate import timed_completions
-
-            with labmod.inside(lab.host(head).netns):
-                runs = timed_completions(prof["serve"]["port"], o.tokens, o.runs, PROMPT)
-            tok_s = [r["predicted_per_second"] for r in runs]
-            best = max(tok_s)
-            self.report["measured"] = {
-                "split_decode_tok_s": best,
-                "median_decode_tok_s": statistics.median(tok_s),
-                "runs_tok_s": tok_s,
-                "tokens_generated": int(sum(r["predicted_n"] for r in runs)),
-                "prompt_tokens": int(runs[0]["prompt_n"]),
-            }
-            pred = self.report["predicted"]["split_decode_tok_s"]
-            self.report["error_pct"] = round((pred - best) / best * 100, 1)
-            s["result"] = (
-                f"{best:.1f} tok/s (best of {o.runs}; median {statistics.median(tok_s):.1f})"
-            )
-        for bg in reversed(self.background):
-            bg.stop()
-        self.background.clear()
-        for h in lab.hosts:
-            with self.step(f"teardown on {h.name}"):
-                self.linkctl(h.name, "teardown", "--profile", str(prof_path))
-
-    def _write_profiles(self, root: Path, model: Path, rate_bps: int | None) -> tuple[Path, Path]:
-        """The lab profile with the demo's model, threads and context; and the head's
-        copy, whose rpc ports point at the delay proxies when there is a delay."""
-        import tomli_w
-
-        assert self.lab is not None
-        data = tomllib.loads(Path(self.lab.profile_path).read_text())
-        t = self.opts.threads
-        data["serve"] |= {"model": str(model), "ctx": MODEL_SPEC["n_ctx"], "threads": t}
-        for h in data["hosts"]:
-            h.setdefault("rpc", {})["threads"] = t
-        if rate_bps:
-            # The shaped link is slow on purpose: hold it to 80% of the rate set.
-            data["probe"]["min_throughput_gbps"] = round(0.8 * rate_bps / 1e9, 3)
-        prof = root / "demo.toml"
-        prof.write_text(tomli_w.dumps(data))
-        if not self.opts.delay_ms:
-            return prof, prof
-        for h in data["hosts"]:
-            if h["role"] == "rpc":
-                h["rpc"]["port"] += PROXY_PORT_OFFSET
-        head = root / "demo-head.toml"
-        head.write_text(tomli_w.dumps(data))
-        return prof, head
-
-    def _probe(self, head: str, peer: str, prof_path: Path) -> dict[str, Any]:
-        argv, env = self._argv(
-            head, ["linkctl", "probe", "--profile", str(prof_path), "--peer", peer, "--json"]
+        return (
+            f"PASS: RTT p50 {r['rtt_p50_us']:.0f} µs, "
+            f"{r['throughput_gbps']:.1f} Gbit/s, path MTU {r['path_mtu']}"
         )
-        log = self.out_dir / "logs" / f"{head}-probe-{peer}.log"
-        r = self.runner.run(argv, timeout=180, check=False, env=env)
-        log.write_text(r.stdout + r.stderr)
+
+    def run_probe_retrying_silent_death(self, ctx: DemoContext, log: Path) -> Result:
+        """`linkctl probe`, run once more if it dies with no output at all.
+
+        Seen twice under CI load on 2 cores (exit status not 0/1/2, empty stdout and
+        stderr); the cause was never found, so this stays a named special case, and the
+        demo says when it happens."""
+        argv = ["linkctl", "probe", "--profile", str(ctx.prof_path), "--peer", self.peer]
+        argv.append("--json")
+        r = ctx.run_in(self.head, argv, log, timeout=180)
         if r.returncode not in (0, 1, 2) and not (r.stdout + r.stderr).strip():
-            # A probe that died silently (seen twice under CI load on 2 cores, cause not
-            # found: exit status now logged) is run once more, and the demo says so.
-            self.say(f"     probe exited {r.returncode} with no output; running it once more")
-            r = self.runner.run(argv, timeout=180, check=False, env=env)
-            log.write_text(log.read_text() + r.stdout + r.stderr)
+            ctx.say(f"     probe exited {r.returncode} with no output; running it once more")
+            first = log.read_text()
+            r = ctx.run_in(self.head, argv, log, timeout=180)
+            log.write_text(first + log.read_text())
+        return r
+
+    def probe(self, ctx: DemoContext) -> dict[str, Any]:
+        peer = self.peer
+        log = ctx.log(f"{self.head}-probe-{peer}.log")
+        r = self.run_probe_retrying_silent_death(ctx, log)
         if r.returncode == 2 or not r.stdout.strip().startswith("{"):
             last = (r.stderr.strip() or f"no output, exit {r.returncode}").splitlines()[-1]
             raise CheckFailed(f"`linkctl probe --peer {peer}` could not run: {last} (log: {log})")
@@ -536,27 +402,334 @@ class Demo:
             "verdicts": {c["name"]: c["verdict"] for c in rep["checks"]},
         }
 
-    def cleanup(self) -> None:
-        """Stop every process the demo started, remove the lab, and check nothing is left."""
-        for bg in reversed(self.background):
-            bg.stop()
-        if self.lab is not None:
-            self.say("cleaning up: lab down")
-            labmod.down(self.lab.name)
-        self.report["left_behind"] = self.left_behind()
 
-    def left_behind(self) -> list[str]:
-        from pyroute2 import netns
+class TinyModel(Step):
+    title = "write a tiny random-weight llama GGUF"
 
-        if self.lab is None:  # never made a lab (refused, or stopped before): nothing of ours
-            return []
-        left = [f"netns {ns}" for ns in netns.listnetns() if ns.startswith(f"lk-{self.opts.name}-")]
-        left += [
-            f"pid {bg.proc.pid} ({bg.what})" for bg in self.background if bg.proc.poll() is None
-        ]
-        if Path(self.lab.root).exists():
-            left.append(self.lab.root)
-        return left
+    def run(self, ctx: DemoContext) -> str:
+        from linkctl.tinymodel import TinySpec, write_tiny_llama
+
+        m = write_tiny_llama(ctx.model_path, TinySpec(**MODEL_SPEC))
+        ctx.report["model"] = {k: m[k] for k in ("bytes", "n_layer", "n_embd", "params")}
+        return f"{m['n_layer']} layers, {m['bytes'] / 1e6:.0f} MB F32"
+
+
+class Calibrate(Step):
+    def __init__(self, host: str, rpc: bool):
+        self.host, self.rpc = host, rpc
+        self.title = f"calibrate {host}" + (" (behind loopback RPC)" if rpc else "")
+
+    def run(self, ctx: DemoContext) -> str:
+        c = ctx.json_of(
+            self.host,
+            "calibrate",
+            "--profile",
+            str(ctx.prof_path),
+            "--model",
+            str(ctx.model_path),
+            "--threads",
+            str(ctx.opts.threads),
+            "--tokens",
+            str(CALIBRATE_TOKENS),
+            "--runs",
+            str(CALIBRATE_RUNS),
+            *(["--rpc"] if self.rpc else []),
+            timeout=600,
+        )
+        if self.rpc:
+            ctx.cal_files.append(c["saved_to"])
+        ctx.report.setdefault("calibration", {})[self.host] = {
+            "decode_tok_s": c["decode_tok_s"],
+            "effective_bandwidth_gbs": c["effective_bandwidth_gbs"],
+            "rpc_effective_bandwidth_gbs": c.get("rpc_effective_bandwidth_gbs"),
+        }
+        return f"{c['decode_tok_s']:.1f} tok/s alone, {c['effective_bandwidth_gbs']:.2f} GB/s"
+
+
+class ServeRpc(BackgroundStep):
+    def __init__(self, host: dict[str, Any]):
+        self.host = host
+        endpoint = f"{host['address'].split('/')[0]}:{host['rpc']['port']}"
+        self.title = f"serve on {host['name']}: rpc-server on {endpoint}"
+
+    def run(self, ctx: DemoContext) -> None:
+        argv = ["linkctl", "serve", "--profile", str(ctx.prof_path)]
+        self.bg = ctx.start(self.host["name"], "serve", argv)
+        ctx.wait_ready(self.host["name"], "rpc", self.bg, 60)
+
+
+class DelayProxy(BackgroundStep):
+    def __init__(self, host: dict[str, Any], delay_ms: float):
+        self.host, self.delay_ms = host, delay_ms
+        self.title = f"delay proxy on {host['name']}: +{delay_ms:g} ms each way"
+
+    def run(self, ctx: DemoContext) -> None:
+        ip, port = self.host["address"].split("/")[0], self.host["rpc"]["port"]
+        listen = port + PROXY_PORT_OFFSET
+        argv = [sys.executable, "-m", "linkctl.delayproxy", "--listen", f"{ip}:{listen}"]
+        argv += ["--target", f"{ip}:{port}", "--delay-ms", str(self.delay_ms)]
+        self.bg = ctx.start(self.host["name"], "delayproxy", argv)
+        ctx.wait_port(ctx.head, ip, listen, self.bg)
+
+
+class Doctor(Step):
+    def __init__(self, head: str):
+        self.head = head
+        self.title = f"doctor on {head}"
+
+    def run(self, ctx: DemoContext) -> str:
+        log = ctx.log(f"{self.head}-doctor.log")
+        argv = ["linkctl", "doctor", "--profile", str(ctx.prof_path), "--json"]
+        r = ctx.run_in(self.head, argv, log, timeout=120)
+        lines = json.loads(r.stdout) if r.stdout.strip().startswith("[") else []
+        counts = {v: sum(ln["verdict"] == v for ln in lines) for v in ("PASS", "WARN", "FAIL")}
+        ctx.report["doctor"] = {"exit_code": r.returncode, **counts}
+        if r.returncode != 0:
+            failed = "; ".join(
+                f"{ln['check']}: {ln['detail']}" for ln in lines if ln["verdict"] == "FAIL"
+            )
+            raise CheckFailed(
+                f"doctor on {self.head} exited {r.returncode}: {failed or r.stderr.strip()}",
+                f"see {log}",
+            )
+        return ", ".join(f"{n} {v}" for v, n in counts.items())
+
+
+class RpcRoundTrip(Step):
+    def __init__(self, head: str, ip: str, port: int):
+        self.head, self.ip, self.port = head, ip, port
+        self.title = f"RPC round trip {head} -> {ip}:{port}"
+
+    def run(self, ctx: DemoContext) -> str:
+        from linkctl.calibrate import rpc_rtt_us
+
+        assert ctx.lab is not None
+        # Before llama-server connects: rpc-server serves one client at a time.
+        with labmod.inside(ctx.lab.host(self.head).netns):
+            ctx.rtts.append(rpc_rtt_us(self.port, RPC_RTT_SAMPLES, host=self.ip))
+        entry = ctx.report["link"][len(ctx.rtts) - 1]
+        entry["rpc_rtt_p50_us"] = round(ctx.rtts[-1], 1)
+        return f"p50 {ctx.rtts[-1]:.0f} µs over {RPC_RTT_SAMPLES} GET_DEVICE_MEMORY"
+
+
+class EstimateOnHead(Step):
+    title = "estimate on the head"
+
+    def run(self, ctx: DemoContext) -> str:
+        n_ctx = len(PROMPT.encode()) + 1 + ctx.opts.tokens // 2  # byte vocab: a token per byte
+        args = ["estimate", "--profile", str(ctx.prof_path), "--model", str(ctx.model_path)]
+        args += ["--ctx", str(n_ctx)]
+        for f in ctx.cal_files:
+            args += ["--calibration", f]
+        if ctx.opts.delay_ms:
+            # The probe does not see the proxy's delay; the RPC exchange through it does.
+            args += ["--rtt-us", f"{statistics.mean(ctx.rtts):.1f}"]
+        est = ctx.json_of(ctx.head, *args)
+        ctx.report["predicted"] = {
+            "split_decode_tok_s": est["split"]["decode_tok_s"],
+            "local_decode_tok_s": est["local"]["decode_tok_s"],
+            "network_per_token_us": est["network_per_token_us"],
+            "network_per_layer_us": est["network_per_layer_us"],
+            "rtt_us": est["link"]["rtt_us"],
+            "throughput_gbps": est["link"]["throughput_gbps"],
+            "link_source": est["link"]["source"],
+            "recommendation": est["recommendation"],
+            "reason": est["reason"],
+            "recommended_tensor_split": est["recommended_tensor_split"],
+            "ctx": n_ctx,
+        }
+        return (
+            f"split {est['split']['decode_tok_s']:.1f} tok/s predicted; "
+            f"recommendation: {est['recommendation']}"
+        )
+
+
+class Verify(Step):
+    def __init__(self, head: str):
+        self.head = head
+        self.title = f"verify on {head}: the split against a reference placement"
+
+    def run(self, ctx: DemoContext) -> str:
+        log = ctx.log(f"{self.head}-verify.log")
+        argv = ["linkctl", "verify", "--profile", str(ctx.head_prof_path)]
+        argv += ["--model", str(ctx.model_path), "--json"]
+        r = ctx.run_in(self.head, argv, log, timeout=900)
+        v = json.loads(r.stdout) if r.stdout.strip().startswith("{") else {}
+        ctx.report["verify"] = {
+            "exit_code": r.returncode,
+            "verdict": v.get("verdict"),
+            "summary": v.get("summary"),
+            "elapsed_s": v.get("elapsed_s"),
+        }
+        last = (r.stderr.strip() or "no output").splitlines()[-1]
+        if r.returncode != 0:
+            raise CheckFailed(
+                f"verify on {self.head} exited {r.returncode}: {v.get('summary') or last}",
+                f"see {log}",
+            )
+        return v.get("summary") or last
+
+
+class ServeHead(BackgroundStep):
+    def __init__(self, head: str):
+        self.head = head
+        self.title = f"serve on {head}: llama-server --rpc over the link"
+
+    def run(self, ctx: DemoContext) -> None:
+        argv = ["linkctl", "serve", "--profile", str(ctx.head_prof_path)]
+        argv += ["--model", str(ctx.model_path)]
+        self.bg = ctx.start(self.head, "serve", argv)
+        ctx.wait_ready(self.head, "head", self.bg, 180)
+
+
+class Completions(Step):
+    def __init__(self, opts: DemoOptions):
+        self.title = f"completions: {opts.runs} x {opts.tokens} tokens through llama-server"
+
+    def run(self, ctx: DemoContext) -> str:
+        from linkctl.calibrate import timed_completions
+
+        assert ctx.lab is not None
+        o = ctx.opts
+        with labmod.inside(ctx.lab.host(ctx.head).netns):
+            runs = timed_completions(ctx.prof["serve"]["port"], o.tokens, o.runs, PROMPT)
+        tok_s = [r["predicted_per_second"] for r in runs]
+        best = max(tok_s)
+        ctx.report["measured"] = {
+            "split_decode_tok_s": best,
+            "median_decode_tok_s": statistics.median(tok_s),
+            "runs_tok_s": tok_s,
+            "tokens_generated": int(sum(r["predicted_n"] for r in runs)),
+            "prompt_tokens": int(runs[0]["prompt_n"]),
+        }
+        pred = ctx.report["predicted"]["split_decode_tok_s"]
+        ctx.report["error_pct"] = round((pred - best) / best * 100, 1)
+        return f"{best:.1f} tok/s (best of {o.runs}; median {statistics.median(tok_s):.1f})"
+
+
+class StopBackground(Step):
+    """Every background process, newest first, before the hosts' teardown."""
+
+    silent = True
+
+    def run(self, ctx: DemoContext) -> None:
+        ctx.stop_background()
+        ctx.background.clear()
+
+
+def steps(ctx: DemoContext) -> Iterator[Step]:
+    """The demo, in order. A generator: the steps after the lab is up are made once
+    it exists (their titles name its hosts and addresses)."""
+    o = ctx.opts
+    yield LabUp(len(ctx.profile.hosts))
+    yield WriteProfiles()
+    assert ctx.lab is not None
+    head, rpc_hosts = ctx.head, ctx.rpc_hosts
+    mtu = ctx.prof["link"]["mtu"]
+    for h in ctx.lab.hosts:
+        yield Linkctl(f"setup on {h.name}: {h.interface} {h.address}, MTU {mtu}", h.name, "setup")
+    if ctx.rate_bps:
+        yield Shape(ctx.rate_bps)
+    yield from (Responder(h) for h in rpc_hosts)
+    ctx.report["link"] = []
+    yield from (Probe(head, h["name"]) for h in rpc_hosts)
+    yield TinyModel()
+    ctx.report["calibration"] = {}
+    yield from (Calibrate(h["name"], rpc=True) for h in rpc_hosts)
+    yield Calibrate(head, rpc=False)
+    yield from (ServeRpc(h) for h in rpc_hosts)
+    if o.delay_ms:
+        yield from (DelayProxy(h, o.delay_ms) for h in rpc_hosts)
+    yield Doctor(head)
+    head_prof = tomllib.loads(ctx.head_prof_path.read_text())
+    for h in (x for x in head_prof["hosts"] if x["role"] == "rpc"):
+        yield RpcRoundTrip(head, h["address"].split("/")[0], h["rpc"]["port"])
+    yield EstimateOnHead()
+    yield Verify(head)
+    yield ServeHead(head)
+    yield Completions(o)
+    yield StopBackground()
+    for h in ctx.lab.hosts:
+        yield Linkctl(f"teardown on {h.name}", h.name, "teardown")
+
+
+# ---- the runner ---------------------------------------------------------------------
+
+
+@dataclass
+class Demo:
+    profile: Profile
+    opts: DemoOptions
+    say: Callable[[str], None] = lambda _m: None
+    runner: Runner = field(default_factory=default_runner)
+    done: list[dict[str, Any]] = field(default_factory=list)  # the report's step list
+
+    @property
+    def out_dir(self) -> Path:
+        """Report and logs: in the state directory, outside the lab (which is removed)."""
+        return state_dir() / "demo" / self.opts.name
+
+    def run(self) -> dict[str, Any]:
+        """Run every step; always clean up. Returns the report (also saved)."""
+        rate_bps = self.opts.check()
+        self.out_dir.joinpath("logs").mkdir(parents=True, exist_ok=True)
+        ctx = DemoContext(self.profile, self.opts, rate_bps, self.out_dir, self.runner, self.say)
+        started: list[Step] = []
+        t0 = time.monotonic()
+        old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+        outcome = "interrupted"
+        try:
+            for step in steps(ctx):
+                started.append(step)
+                self._run_step(ctx, step)
+            outcome = "ok"
+        except LinkctlError as e:
+            outcome = f"failed: {e.line()}"
+            raise
+        finally:
+            # A second Ctrl-C must not cut the cleanup short and leave namespaces behind.
+            old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            try:
+                for step in reversed(started):
+                    step.cleanup(ctx)
+                ctx.report["left_behind"] = left_behind(ctx)
+            finally:
+                signal.signal(signal.SIGINT, old_int)
+                signal.signal(signal.SIGTERM, old_term)
+            ctx.report.update(
+                outcome=outcome, total_s=round(time.monotonic() - t0, 1), steps=self.done
+            )
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            (self.out_dir / "report.json").write_text(json.dumps(ctx.report, indent=2) + "\n")
+        return ctx.report
+
+    def _run_step(self, ctx: DemoContext, step: Step) -> None:
+        if step.silent:
+            step.run(ctx)
+            return
+        self.say(f"[{len(self.done) + 1:>2}] {step.title} ...")
+        t0 = time.monotonic()
+        result = step.run(ctx)
+        info: dict[str, Any] = {"step": step.title}
+        if result is not None:
+            info["result"] = result
+        info["seconds"] = round(time.monotonic() - t0, 2)
+        self.done.append(info)
+        self.say(f"     {info.get('result', 'done')} ({info['seconds']:.1f} s)")
+
+
+def left_behind(ctx: DemoContext) -> list[str]:
+    """What of the demo's still exists after its cleanup (the report says; tests check)."""
+    from pyroute2 import netns
+
+    if ctx.lab is None:  # never made a lab (refused, or stopped before): nothing of ours
+        return []
+    left = [f"netns {ns}" for ns in netns.listnetns() if ns.startswith(f"lk-{ctx.opts.name}-")]
+    left += [f"pid {bg.proc.pid} ({bg.what})" for bg in ctx.background if bg.proc.poll() is None]
+    if Path(ctx.lab.root).exists():
+        left.append(ctx.lab.root)
+    return left
 
 
 def _raise_interrupt(_sig: int, _frame: Any) -> None:
