@@ -23,101 +23,38 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-import uuid
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from labkit import HEALTH, PY, Proc, complete, in_ns, start
 
 PORT = 9999
 
 
-def lab_exec(lab, host: str, argv: list[str], **kw) -> subprocess.CompletedProcess:
-    from linkctl.lab import exec_argv
-
-    full, env = exec_argv(lab, host, argv)
-    return subprocess.run(full, env=env, capture_output=True, text=True, timeout=120, **kw)
-
-
-def lab_spawn(lab, host: str, argv: list[str], log: Path) -> subprocess.Popen:
-    from linkctl.lab import exec_argv
-
-    full, env = exec_argv(lab, host, argv)
-    return subprocess.Popen(full, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-
-
-def in_ns_python(lab, host: str, code: str, *args: str, timeout: float = 120) -> str:
-    r = lab_exec(lab, host, [sys.executable, "-c", code, *args])
-    if r.returncode != 0:
-        raise RuntimeError(r.stderr[-2000:])
-    return r.stdout
-
-
-HEALTH = r"""
-import sys, time, urllib.request
-deadline = time.time() + float(sys.argv[2])
-while time.time() < deadline:
-    try:
-        with urllib.request.urlopen(sys.argv[1], timeout=1) as r:
-            if r.status == 200:
-                sys.exit(0)
-    except Exception:
-        pass
-    time.sleep(0.2)
-sys.exit(1)
-"""
-
-COMPLETE = r"""
-import json, sys, urllib.request
-body = json.dumps({"prompt": "The link carries", "n_predict": int(sys.argv[2]),
-                   "ignore_eos": True, "temperature": 0, "cache_prompt": False}).encode()
-req = urllib.request.Request(sys.argv[1], body, {"Content-Type": "application/json"})
-with urllib.request.urlopen(req, timeout=300) as r:
-    d = json.loads(r.read())
-print(json.dumps({"n": d["tokens_predicted"], "tps": d["timings"]["predicted_per_second"],
-                  "ms_per_token": d["timings"]["predicted_per_token_ms"]}))
-"""
-
-
 def measure(
-    lab, configs: list[tuple[str, int, list[str]]], tokens: int, runs: int, logdir: Path
+    lab: str, configs: list[tuple[str, int, list[str]]], tokens: int, runs: int, logdir: Path
 ) -> list[dict]:
     """Start every configuration's llama-server at once, then ask them in turn
     (round robin), so that load from elsewhere on the machine falls on all alike."""
-    procs = [
-        lab_spawn(lab, "mac", argv, logdir / f"llama-server-{n}.log") for n, _p, argv in configs
-    ]
+    procs = [Proc(lab, "mac", argv, logdir / f"llama-server-{n}.log") for n, _p, argv in configs]
     try:
         for _n, port, _a in configs:
-            base = f"http://127.0.0.1:{port}"
-            lab_exec(
-                lab, "mac", [sys.executable, "-c", HEALTH, base + "/health", "120"], check=True
-            )
-            in_ns_python(lab, "mac", COMPLETE, base + "/completion", "8")  # warm-up
+            in_ns(lab, "mac", PY, "-c", HEALTH, str(port), "120")
+            complete(lab, "mac", port, 8, 1)  # warm-up
         samples: dict[str, list[dict]] = {n: [] for n, _p, _a in configs}
         for _ in range(runs):
             for n, port, _a in configs:
-                url = f"http://127.0.0.1:{port}/completion"
-                d = json.loads(in_ns_python(lab, "mac", COMPLETE, url, str(tokens)))
-                assert d["n"] == tokens, d
+                (d,) = complete(lab, "mac", port, tokens, 1)
+                assert d["tokens_predicted"] == tokens, d
                 samples[n].append(d)
     finally:
         for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            proc.stop()
     out = []
     for n, _port, argv in configs:
-        tps = [x["tps"] for x in samples[n]]
+        tps = [x["predicted_per_second"] for x in samples[n]]
         out.append(
             {
                 "config": n,
@@ -128,7 +65,7 @@ def measure(
                 "decode_tps_min": round(min(tps), 1),
                 "decode_tps_max": round(max(tps), 1),
                 "ms_per_token_median": round(
-                    statistics.median(x["ms_per_token"] for x in samples[n]), 3
+                    statistics.median(x["predicted_per_token_ms"] for x in samples[n]), 3
                 ),
             }
         )
@@ -143,46 +80,38 @@ def main() -> int:
     ap.add_argument("--embd", type=int, default=256)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    if os.geteuid() != 0:
-        print("bench/decode.py needs root (network namespaces)", file=sys.stderr)
-        return 2
-
     from linkctl import lab as labmod
-    from linkctl.llama import find_bins
     from linkctl.profile import load_profile
     from linkctl.tinymodel import TinySpec, write_tiny_llama
 
-    bins = find_bins()
-    rpc_bin, server_bin = bins.need("rpc-server").path, bins.need("llama-server").path
-    tmp = Path(tempfile.mkdtemp(prefix="linkctl-bench-"))
-    os.environ.setdefault("LINKCTL_STATE_DIR", str(tmp / "state"))
+    name, tmp, _state, bins = start("decode", "network namespaces")
+    rpc_bin, server_bin = bins.rpc_server.path, bins.llama_server.path
     model = write_tiny_llama(
         tmp / "tiny.gguf", TinySpec(n_layer=a.layers, n_embd=a.embd, n_ff=a.embd * 2)
     )
     prof, _ = load_profile("dgx-mac")
-    name = "b" + uuid.uuid4().hex[:6]
     lab = labmod.up(prof, name)
-    rpc_procs: list[subprocess.Popen] = []
+    rpc_procs: list[Proc] = []
     try:
         for h in ("dgx", "mac"):
-            r = lab_exec(lab, h, ["linkctl", "setup"])
-            if r.returncode != 0:
-                raise RuntimeError(f"setup {h}: {r.stderr}")
+            in_ns(name, h, "linkctl", "setup")
         dgx_ip = lab.host("dgx").address.split("/")[0]
         # one rpc-server per split configuration: each serves one client at a time
         for port in (50052, 50053):
             rpc_procs.append(
-                lab_spawn(
-                    lab,
+                Proc(
+                    name,
                     "dgx",
                     [rpc_bin, "-H", dgx_ip, "-p", str(port), "-t", "1"],
                     tmp / f"rpc-server-{port}.log",
                 )
             )
             # HELLO from inside the head's namespace, over the link
-            in_ns_python(
-                lab,
+            in_ns(
+                name,
                 "mac",
+                PY,
+                "-c",
                 "import sys; from linkctl.rpc import wait_ready; "
                 "print(wait_ready(sys.argv[1], int(sys.argv[2]), 30))",
                 dgx_ip,
@@ -216,7 +145,7 @@ def main() -> int:
             ("all", PORT + 2, server(PORT + 2, "--rpc", f"{dgx_ip}:50053", "-ngl", "99")),
         ]
         t0 = time.time()
-        results = measure(lab, configs, a.tokens, a.runs, tmp)
+        results = measure(name, configs, a.tokens, a.runs, tmp)
         out = {
             "model": {k: model[k] for k in ("params", "bytes", "n_layer", "n_embd", "n_ff")},
             "link": f"veth between lab namespaces, MTU {prof.link.mtu}",
@@ -226,7 +155,7 @@ def main() -> int:
         }
     finally:
         for p in rpc_procs:
-            p.terminate()
+            p.stop()
         labmod.down(name)
     if a.json:
         print(json.dumps(out, indent=2))

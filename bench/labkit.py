@@ -2,7 +2,7 @@
 stopped by their own process group, waits on ports, timed completions, and a CPU
 limit for one host's processes (a cgroup the bench creates and removes).
 
-Imported by bench/estimate_accuracy.py and bench/split_gain.py (run as scripts:
+Imported by bench/decode.py, estimate_accuracy.py and split_gain.py (run as scripts:
 their directory is on sys.path).
 """
 
