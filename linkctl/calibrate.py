@@ -267,11 +267,12 @@ def calibrate(
     dry_run: bool = False,
     runner: Runner | None = None,
 ) -> dict[str, Any]:
-    from linkctl.catalog import get_device, load_catalog, save_calibration
+    from linkctl.catalog import get_device, load_catalog
     from linkctl.estimate import decode_features, prefill_features
     from linkctl.gguf_info import read_model
     from linkctl.llama import find_bins
     from linkctl.paths import state_dir
+    from linkctl.records import CalibrationRecord, save_calibration
 
     if tokens < 8 or runs < 1:
         raise InputError(
@@ -445,7 +446,7 @@ def calibrate(
         }
         rec["rpc_overhead_us"] = overhead
         rec["rpc_effective_bandwidth_gbs"] = rpc_bw
-    rec["saved_to"] = str(save_calibration(h.name, rec))
+    rec["saved_to"] = str(save_calibration(h.name, CalibrationRecord.model_validate(rec)))
     return rec
 
 

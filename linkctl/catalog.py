@@ -10,21 +10,23 @@ A calibration (written by `linkctl calibrate`) holds the terms measured on one
 profile host: the fixed per-block decode cost and the effective bandwidth (solved
 from two models of different depth and width), optionally the prefill compute and
 the RPC figures. It overrides the catalog's terms for that host. Calibrations
-live in state_dir()/calibration.json as {"hosts": {name: {...}}}.
+live in state_dir()/calibration.json as {"hosts": {name: {...}}}, stored and read by
+linkctl.records (CalibrationFile / CalibrationRecord).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import tomllib
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from linkctl.errors import InputError
-from linkctl.paths import state_dir, write_atomic
+
+if TYPE_CHECKING:
+    from linkctl.records import CalibrationRecord
 
 _FIELDS = (
     "memory_gb",
@@ -85,7 +87,7 @@ class Device:
     sources: dict[str, str] = field(default_factory=dict)
     fit: dict[str, str] = field(default_factory=dict)  # term -> "fitted ..." / "assumed ..."
     # Measured by `linkctl calibrate` (None: catalog figures are used).
-    calibration: dict[str, Any] | None = None
+    calibration: CalibrationRecord | None = None
 
     @property
     def calibrated(self) -> bool:
@@ -95,9 +97,7 @@ class Device:
     def figures_source(self) -> str:
         if self.calibration:
             c = self.calibration
-            return (
-                f"calibrated {c.get('measured_at', '')} on {c.get('model_name', 'a model')}".strip()
-            )
+            return f"calibrated {c.measured_at or ''} on {c.model_name or 'a model'}".strip()
         return self.fit.get("summary", "catalog")
 
 
@@ -214,69 +214,25 @@ def get_device(catalog: dict[str, Device], key: str | None, where: str) -> Devic
 # -- calibrations ----------------------------------------------------------------
 
 
-def calibration_path() -> Path:
-    return state_dir() / "calibration.json"
-
-
-def load_calibrations(extra: list[Path] | None = None) -> dict[str, dict[str, Any]]:
-    """{host name: calibration record}, from this host's state dir plus any extra
-    files (a calibration copied over from the other host)."""
-    out: dict[str, dict[str, Any]] = {}
-    for p in [calibration_path(), *(extra or [])]:
-        if not p.is_file():
-            if p in (extra or []):
-                raise InputError(f"--calibration {p}: no such file", "give a calibration.json")
-            continue
-        try:
-            data = json.loads(p.read_text())
-            hosts = data["hosts"]
-            if not isinstance(hosts, dict):
-                raise TypeError
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise InputError(
-                f"{p}: not a linkctl calibration file",
-                "re-run `linkctl calibrate` (or delete the file)",
-            ) from None
-        out.update(hosts)
-    return out
-
-
-def save_calibration(host: str, record: dict[str, Any]) -> Path:
-    path = calibration_path()
-    data: dict[str, Any] = {"hosts": {}}
-    if path.is_file():
-        try:
-            data = json.loads(path.read_text())
-            data.setdefault("hosts", {})
-        except json.JSONDecodeError:
-            data = {"hosts": {}}
-    data["hosts"][host] = record
-    write_atomic(path, json.dumps(data, indent=2) + "\n")
-    return path
-
-
-def apply_calibration(dev: Device, record: dict[str, Any] | None) -> Device:
+def apply_calibration(dev: Device, record: CalibrationRecord | None) -> Device:
     """This host's measured terms replace the catalog's: the per-block cost and the
     bandwidth (both weight classes: calibrate measures on F32 weights and on the given
     model), and the prefill compute when measured. Terms calibrate does not measure
     (MoE, KV) keep the catalog's ratio to the bandwidth."""
-    if not record:
+    if record is None or not record.effective_bandwidth_gbs:
         return dev
-    bw = record.get("effective_bandwidth_gbs")
-    if not bw:
-        return dev
-    bw = float(bw)
+    bw = float(record.effective_bandwidth_gbs)
     d = dev.decode
     scale = bw / d.bw_gbs if d.bw_gbs else 1.0
     dec = replace(
         d,
-        layer_us=float(record.get("layer_us") or 0.0),
+        layer_us=float(record.layer_us or 0.0),
         bw_gbs=bw,
         bw_f16_gbs=bw,
         kv_bw_gbs=d.kv_bw_gbs * scale,
     )
     pre = dev.prefill
-    tf = record.get("effective_tflops")
+    tf = record.effective_tflops
     if tf:
         k = float(tf) / pre.tflops if pre.tflops else 1.0
         pre = replace(
@@ -289,14 +245,13 @@ def apply_calibration(dev: Device, record: dict[str, Any] | None) -> Device:
     return replace(dev, decode=dec, prefill=pre, calibration=record)
 
 
-def rpc_role(dev: Device, record: dict[str, Any] | None) -> Device | None:
+def rpc_role(dev: Device, record: CalibrationRecord | None) -> Device | None:
     """The device as the rpc end of a split, from `linkctl calibrate --rpc`: its per-token
     time behind a loopback RPC boundary folds the per-block and RPC processing costs into
     one measured bandwidth (rpc_effective_bandwidth_gbs), so that figure stands alone."""
-    bw = (record or {}).get("rpc_effective_bandwidth_gbs")
-    if not bw:
+    if record is None or not record.rpc_effective_bandwidth_gbs:
         return None
-    bw = float(bw)
+    bw = float(record.rpc_effective_bandwidth_gbs)
     dec = replace(
         dev.decode, layer_us=0.0, moe_layer_us=0.0, bw_gbs=bw, bw_f16_gbs=bw, kv_bw_gbs=bw
     )

@@ -37,6 +37,7 @@ from linkctl import lab as labmod
 from linkctl.errors import CheckFailed, InputError, LinkctlError
 from linkctl.paths import state_dir
 from linkctl.profile import Profile
+from linkctl.records import ProbeRecord, ServeStatus, load_status, parse, status_path
 from linkctl.runner import Result, Runner, default_runner
 
 # Big enough that a token is memory-bound work (110 MB of F32 weights read per
@@ -202,15 +203,16 @@ class DemoContext:
             f"{bg.what}: {addr}:{port} not listening within {timeout:g} s", f"see {bg.log}"
         )
 
-    def wait_ready(self, host: str, role: str, bg: Background, timeout: float) -> dict:
+    def wait_ready(self, host: str, role: str, bg: Background, timeout: float) -> ServeStatus:
         assert self.lab is not None
-        path = self.lab.host_state_dir(host) / "serve" / f"{role}.json"
+        path = status_path(role, root=self.lab.host_state_dir(host))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             _check_alive(bg)
-            with contextlib.suppress(OSError, ValueError):
-                st = json.loads(path.read_text())
-                if st.get("state") == "ready":
+            # Not there yet, or caught mid-write by a reader of the old file: poll again.
+            with contextlib.suppress(InputError):
+                st = load_status(path)
+                if st.state == "ready":
                     return st
             time.sleep(0.2)
         raise CheckFailed(f"{bg.what} not ready within {timeout:g} s: {bg.tail()}", f"see {bg.log}")
@@ -384,22 +386,28 @@ class Probe(Step):
         if r.returncode == 2 or not r.stdout.strip().startswith("{"):
             last = (r.stderr.strip() or f"no output, exit {r.returncode}").splitlines()[-1]
             raise CheckFailed(f"`linkctl probe --peer {peer}` could not run: {last} (log: {log})")
-        rep = json.loads(r.stdout)
-        tcp1 = rep["latency"]["tcp"]["1"]
-        thr = rep["throughput"]
+        rep = parse(
+            ProbeRecord,
+            json.loads(r.stdout),
+            f"from `linkctl probe --peer {peer} --json`",
+            "probe report",
+            f"see {log}",
+        )
+        tcp1 = rep.latency.tcp["1"]
+        thr = rep.runs()
         return {
             "peer": peer,
-            "ok": rep["ok"],
-            "failed": ", ".join(c["name"] for c in rep["checks"] if c["verdict"] == "FAIL"),
-            "path_mtu": rep["mtu"].get("path_mtu_at_least"),
-            "rtt_p50_us": tcp1["p50_us"],
-            "rtt_p99_us": tcp1["p99_us"],
-            "rtt_32k_p50_us": rep["latency"]["tcp"]["32768"]["p50_us"],
-            "throughput_gbps": thr["fwd_p1"]["gbps"],
-            "throughput_rev_gbps": thr["rev_p1"]["gbps"],
-            "throughput_p4_gbps": thr["fwd_p4"]["gbps"],
-            "retransmits": sum(v.get("retransmits", 0) for v in thr.values()),
-            "verdicts": {c["name"]: c["verdict"] for c in rep["checks"]},
+            "ok": rep.ok,
+            "failed": ", ".join(rep.failed),
+            "path_mtu": rep.mtu.path_mtu_at_least,
+            "rtt_p50_us": tcp1.p50_us,
+            "rtt_p99_us": tcp1.p99_us,
+            "rtt_32k_p50_us": rep.latency.tcp["32768"].p50_us,
+            "throughput_gbps": thr["fwd_p1"].gbps,
+            "throughput_rev_gbps": thr["rev_p1"].gbps,
+            "throughput_p4_gbps": thr["fwd_p4"].gbps,
+            "retransmits": sum(v.retransmits or 0 for v in thr.values()),
+            "verdicts": {c["name"]: c["verdict"] for c in rep.checks},
         }
 
 

@@ -191,7 +191,8 @@ def run_prefill(
     import os
 
     from linkctl import kvxfer
-    from linkctl.serve import check_bind_on_link, http_ok, status_path
+    from linkctl.records import status_path
+    from linkctl.serve import check_bind_on_link, http_ok
     from linkctl.supervise import ChildSpec, Supervisor
 
     check_bind_on_link(host, backend)
@@ -251,7 +252,8 @@ def run_decode(
     from linkctl import kvxfer
     from linkctl import route as rt
     from linkctl.errors import LinkctlError
-    from linkctl.serve import http_ok, status_path
+    from linkctl.records import status_path
+    from linkctl.serve import http_ok
     from linkctl.supervise import ChildSpec, Supervisor
 
     say = _say(log, "route")

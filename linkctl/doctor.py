@@ -15,7 +15,7 @@ same facts, so doctor and the real commands cannot disagree:
                      linkctl.llama (find_bins, local_rpc_protocol, compatible), linkctl.rpc
     serve auth       linkctl.serve.serve_auth (head: API key or explicit opt-out)
     services         linkctl.service.status
-    probe report     linkctl.serve.probe_gate (head) / probe_reports (rpc host)
+    probe report     linkctl.serve.probe_gate (head) / records.latest_probe (rpc host)
     disagg model, slot directory, kv-agent, servers match   (serve.mode = "disaggregated")
                      linkctl.disagg.doctor_checks (kvxfer.fingerprint, route.compare_servers)
 
@@ -452,7 +452,8 @@ def check_services(
 def check_probe_report(
     res: DoctorResult, prof: Profile, host: HostSpec, now: float | None = None
 ) -> None:
-    from linkctl.serve import PROBE_MAX_AGE_S, _parse_time, probe_gate, probe_reports
+    from linkctl.records import latest_probe
+    from linkctl.serve import PROBE_MAX_AGE_S, probe_gate
 
     now = now or time.time()
     if host.role == "head":
@@ -466,12 +467,8 @@ def check_probe_report(
         return
     # An rpc host probes the head; serve does not gate on it, doctor still asks.
     head = prof.head
-    mine = []
-    for path, r in probe_reports():
-        t = _parse_time(r.get("time"))
-        if r.get("profile") == prof.name and r.get("peer") == head.name and t is not None:
-            mine.append((t, path, r))
-    if not mine:
+    found = latest_probe(prof.name, head.name)
+    if found is None:
         res.add(
             "probe report",
             "WARN",
@@ -480,15 +477,14 @@ def check_probe_report(
             PROBE_FIX,
         )
         return
-    t, path, r = max(mine, key=lambda x: x[0])
+    t, path, r = found
     age = now - t
-    if not r.get("ok"):
-        failed = [c.get("name", "?") for c in r.get("checks", []) if c.get("verdict") == "FAIL"]
+    if not r.ok:
         res.add(
             "probe report",
             "WARN",
             path.name,
-            f"latest probe report {path} failed ({', '.join(failed) or r.get('stopped')})",
+            f"latest probe report {path} failed ({', '.join(r.failed) or r.stopped})",
             f"fix the link, then {PROBE_FIX}",
         )
     elif age > PROBE_MAX_AGE_S:

@@ -4,49 +4,13 @@ renders the result."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
-from linkctl.catalog import (
-    apply_calibration,
-    get_device,
-    load_calibrations,
-    load_catalog,
-    rpc_role,
-)
+from linkctl.catalog import apply_calibration, get_device, load_catalog, rpc_role
 from linkctl.errors import InputError
 from linkctl.estimate import GIB, Estimate, LinkFigures, Participant, estimate, split_devices
-from linkctl.paths import state_dir
 from linkctl.profile import Profile
-
-
-def probe_report_path() -> Path:
-    return state_dir() / "probe" / "latest.json"
-
-
-def _smallest_latency(report: dict[str, Any]) -> tuple[float, str] | None:
-    lat = report.get("latency") or {}
-    for kind in ("tcp", "udp"):
-        by_size = lat.get(kind) or {}
-        sizes = sorted(
-            (int(k), v)
-            for k, v in by_size.items()
-            if str(k).isdigit() and isinstance(v, dict) and v.get("p50_us")
-        )
-        if sizes:
-            size, v = sizes[0]
-            return float(v["p50_us"]), f"{kind} {size}-byte p50"
-    return None
-
-
-def _throughput(report: dict[str, Any]) -> tuple[float, str] | None:
-    th = report.get("throughput") or {}
-    for key in ("fwd_p1", "rev_p1", *th.keys()):
-        v = th.get(key)
-        if isinstance(v, dict) and v.get("gbps"):
-            return float(v["gbps"]), key
-    return None
+from linkctl.records import ProbeRecord, latest_probe_path, load_calibrations, load_probe
 
 
 def link_figures(
@@ -56,13 +20,10 @@ def link_figures(
     for name, v in (("--rtt-us", rtt_us), ("--throughput-gbps", throughput_gbps)):
         if v is not None and v <= 0:
             raise InputError(f"{name} {v:g}: must be > 0", f"give a positive {name}")
-    path = probe or probe_report_path()
-    report: dict[str, Any] | None = None
+    path = probe or latest_probe_path()
+    report: ProbeRecord | None = None
     if path.is_file():
-        try:
-            report = json.loads(path.read_text())
-        except json.JSONDecodeError:
-            raise InputError(f"probe report {path} is not JSON", "re-run `linkctl probe`") from None
+        report = load_probe(path)
     elif probe is not None:
         raise InputError(f"--probe {probe}: no such file", "give a `linkctl probe --json` report")
     if report is None and (rtt_us is None or throughput_gbps is None):
@@ -76,7 +37,7 @@ def link_figures(
         if given is not None:
             src.append(f"{what} from {flag}")
             return given
-        got = read(report or {})
+        got = read(report) if report is not None else None
         if got is None:
             raise InputError(
                 f"probe report {path} has no {what} figures",
@@ -85,8 +46,10 @@ def link_figures(
         src.append(f"{what} from {path} ({got[1]})")
         return got[0]
 
-    rtt_us = pick(rtt_us, _smallest_latency, "RTT", "--rtt-us")
-    throughput_gbps = pick(throughput_gbps, _throughput, "throughput", "--throughput-gbps")
+    rtt_us = pick(rtt_us, lambda r: r.latency.smallest(), "RTT", "--rtt-us")
+    throughput_gbps = pick(
+        throughput_gbps, ProbeRecord.first_throughput, "throughput", "--throughput-gbps"
+    )
     return LinkFigures(rtt_us=rtt_us, throughput_gbps=throughput_gbps, source="; ".join(src))
 
 
@@ -112,7 +75,7 @@ def participants(
             if info.devices:
                 free = float(sum(d.free for d in info.devices))
                 free_src = f"rpc-server {h.rpc_endpoint} GET_DEVICE_MEMORY free"
-        cal = cals.get(h.name) or {}
+        cal = cals.get(h.name)
         overhead = 0.0
         if h.role == "rpc":
             behind_rpc = rpc_role(dev, cal)

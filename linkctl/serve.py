@@ -14,19 +14,16 @@ and only when that address is really on the link interface.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
 from linkctl.errors import CheckFailed, InputError
 from linkctl.llama import LlamaBins, compatible, local_rpc_protocol
-from linkctl.paths import state_dir
 from linkctl.profile import HostSpec, Profile
 
 PROBE_MAX_AGE_S = 24 * 3600
@@ -452,34 +449,6 @@ def check_bind_on_link(host: HostSpec, backend) -> None:
         raise InputError(f"link interface {host.interface} is down", "run `linkctl setup` first")
 
 
-def _parse_time(v: Any) -> float | None:
-    if isinstance(v, int | float):
-        return float(v)
-    if isinstance(v, str):
-        try:
-            dt = datetime.fromisoformat(v.replace("Z", "+00:00"))
-        except ValueError:
-            return None
-        if dt.tzinfo is None:
-            dt = dt.replace(tzinfo=UTC)
-        return dt.timestamp()
-    return None
-
-
-def probe_reports(directory: Path | None = None) -> list[tuple[Path, dict[str, Any]]]:
-    d = directory or state_dir() / "probe"
-    out = []
-    if d.is_dir():
-        for p in sorted(d.glob("*.json")):
-            try:
-                data = json.loads(p.read_text())
-            except (OSError, ValueError):
-                continue
-            if isinstance(data, dict):
-                out.append((p, data))
-    return out
-
-
 def probe_gate(
     profile: Profile,
     head: HostSpec,
@@ -489,29 +458,22 @@ def probe_gate(
 ) -> list[str]:
     """Every rpc host needs a passing probe report for this profile, newer than
     ``max_age_s``. Returns one summary line per rpc host; raises CheckFailed naming why."""
+    from linkctl.records import latest_probe, probe_dir
+
     now = now or time.time()
-    where = directory or state_dir() / "probe"
-    reports = probe_reports(directory)
+    where = directory or probe_dir()
     lines = []
     for peer in profile.rpc_hosts:
-        mine = []
-        for path, r in reports:
-            if r.get("profile") != profile.name:
-                continue
-            if r.get("peer") not in (None, peer.name) and r.get("peer_address") not in (peer.ip,):
-                continue
-            t = _parse_time(r.get("time"))
-            if t is not None:
-                mine.append((t, path, r))
-        if not mine:
+        found = latest_probe(profile.name, peer.name, peer.ip, directory)
+        if found is None:
             raise CheckFailed(
                 f"no probe report for profile {profile.name!r} and peer {peer.name} in {where}",
                 "run `linkctl probe` first (or pass --skip-probe to serve anyway)",
             )
-        t, path, r = max(mine, key=lambda x: x[0])
+        t, path, r = found
         age = now - t
-        if not r.get("ok"):
-            failed = [c.get("name", "?") for c in r.get("checks", []) if c.get("verdict") == "FAIL"]
+        if not r.ok:
+            failed = r.failed
             raise CheckFailed(
                 f"latest probe report {path} for peer {peer.name} failed"
                 + (f" ({', '.join(failed)})" if failed else ""),
@@ -585,14 +547,11 @@ def rpc_connections_lost(pid: int, endpoints: list[str]) -> str | None:
     return f"lost rpc endpoint {', '.join(lost)}" if lost else None
 
 
-def status_path(role: str) -> Path:
-    return state_dir() / "serve" / f"{role}.json"
-
-
 def run_rpc(
     plan: ServePlan, host: HostSpec, backend, *, log: IO[str] | None = None, policy=None
 ) -> int:
     from linkctl import rpc
+    from linkctl.records import status_path
     from linkctl.supervise import ChildSpec, Supervisor
 
     check_bind_spec(host)
@@ -622,6 +581,7 @@ def run_head(
     split: SplitChoice | None = None,
 ) -> int:
     from linkctl import rpc
+    from linkctl.records import status_path
     from linkctl.supervise import ChildSpec, Supervisor, stamp
 
     out = log

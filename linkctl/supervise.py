@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -22,12 +21,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
 from linkctl.paths import write_atomic
+from linkctl.records import ServeStatus, dump
 from linkctl.runner import Runner, default_runner
 
 
@@ -64,22 +64,6 @@ class Policy:
     poll_s: float = 0.2
 
 
-@dataclass
-class Status:
-    name: str
-    pid: int
-    argv: list[str]
-    state: str = "starting"  # starting, waiting, ready, backoff, stopped, gave-up
-    child_pid: int | None = None
-    starts: int = 0
-    last_exit: int | None = None
-    last_reason: str | None = None
-    started_at: str | None = None
-    ready_at: str | None = None
-    ready_after_s: float | None = None
-    events: list[dict[str, Any]] = field(default_factory=list)
-
-
 class Supervisor:
     def __init__(
         self,
@@ -95,7 +79,7 @@ class Supervisor:
         self.runner = runner or default_runner()
         self.out = log or sys.stderr
         self.status_path = status_path
-        self.status = Status(spec.name, os.getpid(), list(spec.argv))
+        self.status = ServeStatus(name=spec.name, pid=os.getpid(), argv=list(spec.argv))
         self.proc: subprocess.Popen | None = None
         self._stop = threading.Event()
         self._stop_signal: int | None = None
@@ -117,7 +101,7 @@ class Supervisor:
     def _write_status(self) -> None:
         if not self.status_path:
             return
-        write_atomic(self.status_path, json.dumps(asdict(self.status), indent=2))
+        write_atomic(self.status_path, dump(self.status, exclude_unset=False))
 
     def _pump(self, stream: IO[bytes]) -> None:
         for raw in iter(stream.readline, b""):

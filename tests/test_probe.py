@@ -27,15 +27,10 @@ from linkctl.ping import linux_ping_argv, macos_ping_argv, parse_ping
 from linkctl.probe import choose_peers, latency_threshold_us
 from linkctl.probe.latency import stats_us
 from linkctl.probe.nic import check_nic
-from linkctl.probe.report import (
-    ProbeReport,
-    load_latest,
-    load_report,
-    save,
-    to_prometheus,
-)
+from linkctl.probe.report import ProbeReport, save, to_prometheus
 from linkctl.probe.responder import Responder
 from linkctl.profile import load_profile
+from linkctl.records import latest_probe_path, load_probe, probe_path
 
 FIX = Path(__file__).parent / "fixtures" / "ping"
 
@@ -160,10 +155,12 @@ def test_report_save_load_and_prometheus(tmp_path, monkeypatch):
     r.throughput = {"fwd_p1": {"gbps": 0.48, "retransmits": 3, "direction": "fwd", "streams": 1}}
     path = save(r)
     assert path.name == "dgx-mac--mac--dgx.json"
-    loaded = load_report("dgx-mac", "mac", "dgx")
-    assert loaded == load_latest()
-    assert loaded["exit_code"] == 1 and loaded["ok"] is False
-    assert loaded["checks"][1]["verdict"] == "FAIL"
+    loaded = load_probe(probe_path("dgx-mac", "mac", "dgx"))
+    assert loaded == load_probe(latest_probe_path())
+    assert loaded.exit_code == 1 and loaded.ok is False
+    assert loaded.checks[1]["verdict"] == "FAIL"
+    assert loaded.latency.tcp["1"].p50_us == r.latency["tcp"]["1"]["p50_us"]
+    assert loaded.throughput["fwd_p1"].gbps == 0.48
     text = to_prometheus([r])
     for line in text.splitlines():
         if not line.startswith("#"):

@@ -1,21 +1,23 @@
 """The probe report: checks with verdicts plus every raw figure; JSON, Prometheus, on disk.
 
-Saved as ``state_dir()/probe/<profile>--<host>--<peer>.json`` and, for the
-last peer probed, ``state_dir()/probe/latest.json``; ``estimate`` and
-``serve`` read them with ``load_report`` / ``load_latest``.
+The report is built here while the probe runs; what is saved and read back by
+``estimate``, ``serve`` and ``doctor`` is its typed form, ``linkctl.records.ProbeRecord``
+(``to_record``), stored where ``linkctl.records`` says.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from linkctl.checks import Check
 from linkctl.errors import InputError
-from linkctl.paths import state_dir, write_atomic
+from linkctl.paths import write_atomic
+
+if TYPE_CHECKING:
+    from linkctl.records import ProbeRecord
 
 
 @dataclass
@@ -61,7 +63,10 @@ class ProbeReport:
         return self.exit_code == 0
 
     def to_json(self) -> dict[str, Any]:
+        from linkctl.records import SCHEMA_VERSION
+
         return {
+            "schema_version": SCHEMA_VERSION,
             "profile": self.profile,
             "host": self.host,
             "peer": self.peer,
@@ -80,52 +85,20 @@ class ProbeReport:
             "rpc": self.rpc,
         }
 
+    def to_record(self) -> ProbeRecord:
+        from linkctl.records import ProbeRecord
 
-# ---- on disk -------------------------------------------------------------------
-
-
-def report_dir() -> Path:
-    return state_dir() / "probe"
+        return ProbeRecord.model_validate(self.to_json())
 
 
-def report_path(profile: str, host: str, peer: str) -> Path:
-    return report_dir() / f"{profile}--{host}--{peer}.json"
+# ---- on disk (linkctl.records owns where and how) ---------------------------------
 
 
 def save(report: ProbeReport) -> Path:
     """Write the per-peer file and latest.json; returns the per-peer path."""
-    text = json.dumps(report.to_json(), indent=2, default=str) + "\n"
-    path = report_path(report.profile, report.host, report.peer)
-    try:
-        write_atomic(path, text)
-        write_atomic(report_dir() / "latest.json", text)
-    except OSError as e:
-        raise InputError(
-            f"cannot save the probe report under {report_dir()}: {e}",
-            "run as the user owning the state directory or set LINKCTL_STATE_DIR",
-        ) from None
-    return path
+    from linkctl.records import save_probe
 
-
-def _load(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise InputError(f"no probe report at {path}", "run `linkctl probe` first")
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise InputError(
-            f"probe report {path} is unreadable: {e}", "run `linkctl probe` again"
-        ) from None
-
-
-def load_report(profile: str, host: str, peer: str) -> dict[str, Any]:
-    """The saved report of probing ``peer`` from ``host`` under ``profile`` (a dict)."""
-    return _load(report_path(profile, host, peer))
-
-
-def load_latest() -> dict[str, Any]:
-    """The most recently saved report (the last peer of the last probe run)."""
-    return _load(report_dir() / "latest.json")
+    return save_probe(report.to_record())
 
 
 # ---- Prometheus textfile ------------------------------------------------------------
