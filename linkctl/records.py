@@ -101,11 +101,14 @@ class ThroughputRun(_Part):
 
 
 class ProbeRecord(Record):
-    profile: str
-    host: str
-    peer: str
+    # Who and when may be absent: `linkctl estimate --probe FILE` takes a report that
+    # holds only latency and throughput figures; the serve gate skips a record without
+    # a time.
+    profile: str = ""
+    host: str = ""
+    peer: str = ""
     peer_address: str = ""
-    time: str
+    time: str = ""
     ok: bool = False
     exit_code: int = 0
     stopped: str | None = None

@@ -78,7 +78,7 @@ def test_probe_file_without_schema_version_reads_as_version_1(state):
     ("text", "words"),
     [
         ('{"schema_version": 99, "profile": "p"}', "schema_version 99, this linkctl reads 1"),
-        ('{"hosts": {}}', "not a linkctl probe report (profile: Field required)"),
+        ('{"latency": {"tcp": []}}', "not a linkctl probe report (latency.tcp: Input should"),
         ("[1, 2]", "not a linkctl probe report (not a JSON object)"),
         ("not json", "is unreadable"),
     ],
