@@ -309,6 +309,7 @@ def main() -> int:
                     "error_pct": (pred - med) / med * 100,
                     "error_vs_fastest_pct": (pred - max(runs[split])) / max(runs[split]) * 100,
                     "estimate_recommended_ts": est["recommended_tensor_split"],
+                    "predicted_terms_us": est["split"]["terms_us"],
                 }
             )
         result["rows"] = rows
