@@ -293,9 +293,11 @@ def main() -> int:
         "load_avg_after_each_point": loads,
         "valid": not busy,
     }
+    (work / "result.json").write_text(json.dumps(result, indent=2))
     if a.json:
         print(json.dumps(result, indent=2))
     else:
+        print(f"all figures: {work / 'result.json'}")
         c = result["calibration"]
         print(
             f"tiny model {model['bytes'] / 1e6:.0f} MB F32, {a.threads} thread(s); calibrated "

@@ -369,9 +369,11 @@ def main() -> int:
     # the fast host's speed: such a run is reported but not counted.
     result["valid"] = max(result["load_avg"]) <= BUSY_LOAD
     result["ok"] = ok
+    (work / "result.json").write_text(json.dumps(result, indent=2))
     if a.json:
         print(json.dumps(result, indent=2))
     else:
+        print(f"all figures: {work / 'result.json'}")
         c = result["calibration"]
         print(
             f"tiny model {model['bytes'] / 1e6:.0f} MB F32; rpc-server threads dgx1 "
