@@ -346,13 +346,20 @@ def fit_decode(rows: list[Row], prior: Prior) -> tuple[list[float], dict[str, st
     if not _full_rank(rows, 5, ties, fixed) and D_BLOCK not in fixed:
         # Every quantized row (or every F16 row) is one model shape: per-block cost and
         # bandwidth are collinear. Take the family anchor's per-block cost, fit the rest.
-        fixed[D_BLOCK] = pc[D_BLOCK]
-        if D_MOE in ties:
-            del ties[D_MOE]
-            fixed[D_MOE] = pc[D_MOE]
+        _pin(fixed, ties, pc, D_BLOCK, D_MOE)
         notes["layer_us"] = f"assumed (rows do not separate it from bandwidth): {src}"
     c = _solve_pinned(rows, 5, ties, fixed, (D_Q, D_F16, D_KV), pc, DECODE_NAMES, notes, src)
     return c, notes
+
+
+def _pin(
+    fixed: dict[int, float], ties: dict[int, tuple[int, float]], pc: list[float], i: int, tied: int
+) -> None:
+    """Fix term i at the anchor's value; a term tied to it is fixed at the anchor's value too."""
+    fixed[i] = pc[i]
+    if tied in ties:
+        del ties[tied]
+        fixed[tied] = pc[tied]
 
 
 def fit_prefill(rows: list[Row], prior: Prior) -> tuple[list[float], dict[str, str]]:
@@ -381,10 +388,7 @@ def fit_prefill(rows: list[Row], prior: Prior) -> tuple[list[float], dict[str, s
             ties[i] = (partner, prior.ratio(pc, i, partner, 0.0 if i == P_MOE_UB else 1.0))
             notes[PREFILL_NAMES[i]] = f"assumed (too few rows): the ratio in {src}"
     if 6 - len(ties) - len(fixed) > n:
-        fixed[P_UB] = pc[P_UB]
-        if P_MOE_UB in ties:
-            del ties[P_MOE_UB]
-            fixed[P_MOE_UB] = pc[P_MOE_UB]
+        _pin(fixed, ties, pc, P_UB, P_MOE_UB)
         notes["ubatch_layer_us"] = f"assumed (too few rows): {src}"
     if not _full_rank(rows, 6, ties, fixed) and P_MOE_UB not in ties and P_MOE_UB not in fixed:
         # Every MoE prompt a whole number of micro-batches: the MoE per-micro-batch cost
@@ -392,10 +396,7 @@ def fit_prefill(rows: list[Row], prior: Prior) -> tuple[list[float], dict[str, s
         ties[P_MOE_UB] = (P_UB, prior.ratio(pc, P_MOE_UB, P_UB, 0.0))
         notes["moe_ubatch_layer_us"] = f"assumed (rows do not separate it): the ratio in {src}"
     if not _full_rank(rows, 6, ties, fixed) and P_UB not in fixed:
-        fixed[P_UB] = pc[P_UB]
-        if P_MOE_UB in ties:
-            del ties[P_MOE_UB]
-            fixed[P_MOE_UB] = pc[P_MOE_UB]
+        _pin(fixed, ties, pc, P_UB, P_MOE_UB)
         notes["ubatch_layer_us"] = f"assumed (rows do not separate it from FLOPS): {src}"
     c = _solve_pinned(
         rows, 6, ties, fixed, (P_Q, P_F16, P_MOE, P_ATTN), pc, PREFILL_NAMES, notes, src
