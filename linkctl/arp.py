@@ -7,7 +7,7 @@ scapy is imported here only, because it costs most of a second.
 
 from __future__ import annotations
 
-from linkctl.errors import InputError
+from linkctl.errors import InputError, PermissionDenied
 
 
 def who_has(
@@ -35,8 +35,8 @@ def who_has(
             if macs:
                 break
         return macs
-    except PermissionError:
-        raise InputError(
+    except PermissionError:  # raw AF_PACKET sockets need CAP_NET_RAW (packet(7))
+        raise PermissionDenied(
             "no permission for raw sockets (ARP)", "run as root or grant CAP_NET_RAW"
         ) from None
     except OSError as e:

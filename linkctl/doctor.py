@@ -40,7 +40,7 @@ from typing import Any
 
 from linkctl.backend import Backend
 from linkctl.checks import Check, Verdict, nic_checks, speed_text
-from linkctl.errors import CheckFailed, InputError
+from linkctl.errors import CheckFailed, ConnectionRefused, InputError
 from linkctl.netstate import LinkStatus
 from linkctl.profile import HostSpec, Profile
 
@@ -258,7 +258,7 @@ def check_peers(
             )
         elif isinstance(c.value, list):
             fix = f"find the other device that holds {peer.ip} on the segment"
-        elif "permission" in c.detail:
+        elif scratch.stop_code == 2:  # ARP could not be sent (PermissionDenied, see check_peer)
             fix = "run as root or grant CAP_NET_RAW"
         else:
             fix = f"power {peer.name} on, check the cable, run `linkctl setup` on {peer.name}"
@@ -346,16 +346,16 @@ def check_llama(
         except rpc.RpcNoHello as e:
             res.add(name, "FAIL", None, e.message, e.fix)
             continue
+        except ConnectionRefused:
+            res.add(
+                name,
+                "SKIP",
+                None,
+                f"nothing listens on {where} yet (start it: `linkctl serve` on {peer.name})",
+            )
+            continue
         except InputError as e:
-            if "refused" in e.message:
-                res.add(
-                    name,
-                    "SKIP",
-                    None,
-                    f"nothing listens on {where} yet (start it: `linkctl serve` on {peer.name})",
-                )
-            else:
-                res.add(name, "FAIL", None, e.message, e.fix)
+            res.add(name, "FAIL", None, e.message, e.fix)
             continue
         if llama.compatible(local, theirs):
             res.add(

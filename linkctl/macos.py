@@ -34,7 +34,7 @@ import shlex
 import time
 from collections.abc import Callable
 
-from linkctl.errors import ApplyError, CheckFailed, InputError
+from linkctl.errors import ApplyError, CheckFailed, InputError, NeedsRoot
 from linkctl.macos_parse import (
     HardwarePort,
     IfconfigInterface,
@@ -61,6 +61,12 @@ NETWORKSETUP = "networksetup"
 SETTLE_TIMEOUT_S = 10.0  # configd applies networksetup's changes asynchronously
 SETTLE_POLL_S = 0.5
 _NOT_IN_TABLE = "not in table"
+# networksetup refusing a change to a user who is not root prints, with exit status 0,
+# ``** Error: Command requires admin privileges.`` (recorded in
+# tests/fixtures/macos/networksetup-error-admin-privileges-constructed.txt; source in
+# tests/fixtures/macos/SOURCES.md). Translated here into NeedsRoot, the one place that
+# reads networksetup's output.
+_NEEDS_ADMIN = "requires admin privileges"
 
 
 # What each networksetup/route change alters: a service's IPv4 configuration is its
@@ -111,6 +117,10 @@ class MacBackend:
             )
         res = self.runner.run([NETWORKSETUP, *args], check=False, timeout=30)
         err = networksetup_error(res.stdout + "\n" + res.stderr)
+        if err and _NEEDS_ADMIN in err:
+            raise NeedsRoot(
+                f"`networksetup {shlex.join(args)}` failed: {err}", "run linkctl with sudo"
+            )
         if err or not res.ok:
             raise InputError(
                 f"`networksetup {shlex.join(args)}` failed: "
@@ -466,7 +476,7 @@ class MacBackend:
             raise ApplyError(f"unknown change action {change.action!r} for the macOS backend")
         argv = [str(a) for a in change.args["argv"]]
         if self._euid() != 0:
-            raise InputError(
+            raise NeedsRoot(
                 f"{change.summary}: `{argv[0]}` changes the network configuration and needs root",
                 "run linkctl with sudo",
             )
@@ -475,12 +485,11 @@ class MacBackend:
         if argv[0] == NETWORKSETUP:
             try:
                 self._networksetup(*argv[1:])
+            except NeedsRoot as e:
+                raise NeedsRoot(
+                    f"{change.summary}: networksetup says it needs admin privileges", e.fix
+                ) from None
             except InputError as e:
-                if "admin privileges" in e.message:
-                    raise InputError(
-                        f"{change.summary}: networksetup says it needs admin privileges",
-                        "run linkctl with sudo",
-                    ) from None
                 if argv[1] == "-setMTU":
                     raise InputError(
                         f"{change.target} refused MTU {argv[-1]}: {e.message}",

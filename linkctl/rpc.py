@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from enum import IntEnum
 from typing import Any
 
-from linkctl.errors import InputError
+from linkctl.errors import ConnectionRefused, InputError, Timeout
 
 
 class RpcCmd(IntEnum):
@@ -121,18 +121,22 @@ class _Conn:
 
     def __init__(self, host: str, port: int, deadline: float):
         self.host, self.port, self.deadline = host, port, deadline
+        start = time.monotonic()
         self.where = f"{host}:{port}"
         try:
             self.sock = socket.create_connection((host, port), timeout=self._left())
         except ConnectionRefusedError:
-            raise InputError(
+            raise ConnectionRefused(
                 f"rpc endpoint {self.where}: connection refused (nothing listens there)",
                 "start it with `linkctl serve` on that host",
+                host=host,
+                port=port,
             ) from None
         except TimeoutError:
-            raise InputError(
+            raise Timeout(
                 f"rpc endpoint {self.where}: no answer to the TCP connect (host down or filtered)",
                 "check the link with `linkctl status` / `linkctl probe`",
+                seconds=time.monotonic() - start,
             ) from None
         except OSError as e:
             why = e.strerror or e

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from linkctl.errors import InputError
+from linkctl.errors import CommandNotFound, InputError, Timeout
 
 DEFAULT_TIMEOUT = 30.0
 
@@ -69,13 +69,12 @@ class Runner:
                 env=env,
             )
         except FileNotFoundError:
-            raise InputError(
-                f"command not found: {argv[0]}", f"install {argv[0]} or put it on PATH"
-            ) from None
+            raise CommandNotFound(argv[0], f"install {argv[0]} or put it on PATH") from None
         except subprocess.TimeoutExpired:
-            raise InputError(
+            raise Timeout(
                 f"`{' '.join(argv)}` did not finish within {timeout:g} s",
                 "check the device or service it talks to",
+                seconds=timeout,
             ) from None
         result = Result(argv, proc.returncode, proc.stdout, proc.stderr)
         if check and not result.ok:
@@ -95,7 +94,7 @@ class Runner:
         """Start a long-running child (a server) and return it; the caller stops it.
 
         argv list only, recorded in ``history`` like ``run``. A missing binary is
-        an InputError, not a traceback. ``cgroups``: cgroup directories the child
+        a CommandNotFound, not a traceback. ``cgroups``: cgroup directories the child
         joins before it runs ``argv`` (a container launcher's own cgroup).
         """
         argv = tuple(str(a) for a in argv)
@@ -117,9 +116,7 @@ class Runner:
                 preexec_fn=join_cgroups if cgroups else None,
             )
         except FileNotFoundError:
-            raise InputError(
-                f"command not found: {argv[0]}", f"install {argv[0]} or put it on PATH"
-            ) from None
+            raise CommandNotFound(argv[0], f"install {argv[0]} or put it on PATH") from None
 
 
 _default = Runner()

@@ -18,11 +18,12 @@ import os
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from linkctl.errors import CheckFailed, InputError
+from linkctl.errors import CheckFailed, InputError, RpcProtocolMismatch
 from linkctl.llama import LlamaBins, compatible, local_rpc_protocol
 from linkctl.profile import HostSpec, Profile
 
@@ -497,18 +498,21 @@ def check_endpoints(
     profile: Profile, local: tuple[int, int, int] | None, build: str, timeout: float = 3.0
 ) -> list[dict[str, Any]]:
     """HELLO every rpc endpoint; refuse a protocol mismatch with the local build.
-    Raises RpcError subclasses (busy, no HELLO, refused) and InputError on mismatch."""
+    Raises RpcError subclasses (busy, no HELLO), ConnectionRefused / Timeout (nothing
+    listens, no answer) and RpcProtocolMismatch."""
     from linkctl import rpc
 
     out = []
     for h in profile.rpc_hosts:
         info = rpc.query(h.rpc_bind, h.rpc.port, timeout=timeout)
         if local is not None and not compatible(local, info.version):
-            raise InputError(
+            raise RpcProtocolMismatch(
                 f"rpc endpoint {h.name} ({h.rpc_endpoint}) speaks RPC protocol {info.version_str} "
                 f"({info.hello_format} HELLO), this head's build speaks {_fmt(local)} ({build}): "
                 "llama-server would refuse it",
                 f"build the same llama.cpp release on {h.name} and here (scripts/build-llama.sh)",
+                local=local,
+                remote=info.version,
             )
         out.append({"name": h.name, **info.as_dict()})
     return out
@@ -570,6 +574,34 @@ def run_rpc(
     return sup.run()
 
 
+def wait_endpoints(
+    profile: Profile,
+    local: tuple[int, int, int] | None,
+    build: str,
+    *,
+    wait_s: float,
+    say: Callable[[str], None],
+) -> list[dict[str, Any]]:
+    """First contact: wait up to ``wait_s`` for every endpoint (an rpc host may still be
+    starting), but refuse at once what can never work (another protocol, no HELLO)."""
+    from linkctl import rpc
+
+    deadline = time.monotonic() + wait_s
+    last = None
+    while True:
+        try:
+            return check_endpoints(profile, local, build)
+        except (rpc.RpcNoHello, RpcProtocolMismatch):
+            raise
+        except InputError as e:
+            if time.monotonic() > deadline:
+                raise
+            if e.message != last:
+                say(f"waiting for rpc endpoints: {e.message}")
+                last = e.message
+            time.sleep(0.5)
+
+
 def run_head(
     plan: ServePlan,
     profile: Profile,
@@ -580,7 +612,6 @@ def run_head(
     policy=None,
     split: SplitChoice | None = None,
 ) -> int:
-    from linkctl import rpc
     from linkctl.records import status_path
     from linkctl.supervise import ChildSpec, Supervisor, stamp
 
@@ -609,30 +640,7 @@ def run_head(
         for note in split.notes:
             say(f"split note: {note}")
 
-    # First contact: wait for every endpoint (an rpc host may still be starting),
-    # but refuse at once what can never work (another protocol, no HELLO).
-    deadline = time.monotonic() + wait_s
-    last = None
-    while True:
-        try:
-            infos = check_endpoints(profile, local, build)
-            break
-        except rpc.RpcNoHello:
-            raise
-        except rpc.RpcError as e:
-            if time.monotonic() > deadline:
-                raise
-            if e.message != last:
-                say(f"waiting for rpc endpoints: {e.message}")
-                last = e.message
-            time.sleep(0.5)
-        except InputError as e:
-            if "speaks RPC protocol" in e.message or time.monotonic() > deadline:
-                raise
-            if e.message != last:
-                say(f"waiting for rpc endpoints: {e.message}")
-                last = e.message
-            time.sleep(0.5)
+    infos = wait_endpoints(profile, local, build, wait_s=wait_s, say=say)
     for i in infos:
         mem = ", ".join(
             f"{d['free'] / 2**20:.0f}/{d['total'] / 2**20:.0f} MiB free" for d in i["devices"]

@@ -300,11 +300,15 @@ def isolated(tmp_path, monkeypatch):
 
 
 def _hello_refused(calls):
-    from linkctl.errors import InputError
+    from linkctl.errors import ConnectionRefused
 
     def hello(host, port, timeout):
         calls.append((host, port))
-        raise InputError(f"rpc endpoint {host}:{port}: connection refused (nothing listens there)")
+        raise ConnectionRefused(
+            f"rpc endpoint {host}:{port}: connection refused (nothing listens there)",
+            host=host,
+            port=port,
+        )
 
     return hello
 

@@ -33,7 +33,7 @@ from macos_replay import (
 )
 
 from linkctl import link
-from linkctl.errors import ApplyError, CheckFailed, InputError
+from linkctl.errors import ApplyError, CheckFailed, InputError, NeedsRoot
 from linkctl.plan import Change
 from linkctl.profile import load_profile, parse_profile
 
@@ -417,6 +417,7 @@ def test_networksetup_missing(prof, mac):
 def test_not_root(prof, mac, _isolated):
     r = mac_studio()
     e = expect_input_error(prof, mac, r, root=False)
+    assert isinstance(e, NeedsRoot)
     assert "needs root" in e.message and "sudo" in e.fix
     assert "rolled back" in e.message  # the transaction stopped at its first change
 
@@ -460,7 +461,30 @@ def test_replay_runner_fails_loudly_on_an_unexpected_command():
 def test_networksetup_refusing_for_want_of_admin_privileges(prof, mac):
     r = mac_studio()
     r.answers[argv(SETMTU)] = out("networksetup-error-admin-privileges-constructed.txt")
-    with pytest.raises(InputError) as e:
+    with pytest.raises(NeedsRoot) as e:
         link.setup(prof, mac, backend(r))
     assert e.value.exit_code == 2 and "admin privileges" in e.value.message
     assert "sudo" in e.value.fix and r.changes() == [SETMTU]
+
+
+def test_admin_privileges_output_is_needs_root_at_the_networksetup_boundary():
+    """The recorded networksetup line (exit status 0) becomes NeedsRoot where
+    networksetup's output is read, for any networksetup call."""
+    r = mac_studio()
+    r.answers[argv("networksetup -listallhardwareports")] = out(
+        "networksetup-error-admin-privileges-constructed.txt"
+    )
+    with pytest.raises(NeedsRoot) as e:
+        backend(r).hardware_ports()
+    assert e.value.line() == (
+        "`networksetup -listallhardwareports` failed: ** Error: Command requires admin "
+        "privileges. (fix: run linkctl with sudo)"
+    )
+    # Any other networksetup error stays a plain InputError naming the command.
+    r.answers[argv("networksetup -listallhardwareports")] = out(
+        "networksetup-error-parameters-not-valid-constructed.txt"
+    )
+    with pytest.raises(InputError) as e2:
+        backend(r).hardware_ports()
+    assert not isinstance(e2.value, NeedsRoot)
+    assert "The parameters were not valid" in e2.value.message

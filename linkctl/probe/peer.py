@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from linkctl.errors import InputError
+from linkctl.errors import PermissionDenied
 from linkctl.probe.report import ProbeReport
 from linkctl.profile import HostSpec
 
@@ -19,19 +19,18 @@ def check_peer(report: ProbeReport, host: HostSpec, peer: HostSpec, timeout_s: f
         macs = who_has(
             host.interface, peer.ip, src_ip=host.ip, timeout=timeout_s / tries, tries=tries
         )
-    except InputError as e:
-        if "permission" in e.message:
-            report.arp = {"mac": None, "error": e.message}
-            report.add(
-                "peer arp",
-                "FAIL",
-                None,
-                peer.ip,
-                "no permission for raw sockets: run as root or grant CAP_NET_RAW",
-            )
-            report.stop("no permission for raw sockets (ARP): run as root or grant CAP_NET_RAW", 2)
-            return False
-        raise
+    except PermissionDenied as e:
+        # The only stop with exit 2 here: ARP could not even be sent (doctor relies on it).
+        report.arp = {"mac": None, "error": e.message}
+        report.add(
+            "peer arp",
+            "FAIL",
+            None,
+            peer.ip,
+            "no permission for raw sockets: run as root or grant CAP_NET_RAW",
+        )
+        report.stop("no permission for raw sockets (ARP): run as root or grant CAP_NET_RAW", 2)
+        return False
     elapsed = time.perf_counter() - t0
     report.arp = {
         "mac": macs[0] if len(macs) == 1 else None,
