@@ -77,6 +77,9 @@ class Row:
     # rows ran (source `fit_group`): such rows are fitted as their own unit, never mixed
     # into the device's catalog terms (one set of terms cannot be two builds).
     group: str = ""
+    # Whether the source's build ran flash attention (llama-bench -fa): without it the
+    # decode attention reads K and V once per query head (ModelInfo.attn_bytes_per_position).
+    flash_attn: bool = True
 
     @property
     def kind(self) -> str:
@@ -100,6 +103,11 @@ def load_rows(path: Path | None = None) -> list[Row]:
         raise InputError(f"benchmark data {path}: {e}", "restore the file") from None
     rows: list[Row] = []
     for src in data.get("source", []):
+        if not isinstance(src.get("flash_attn"), bool):
+            raise InputError(
+                f"{path}: source {src.get('id')!r}: flash_attn {src.get('flash_attn')!r}",
+                "state whether its build ran flash attention (llama-bench -fa): true or false",
+            )
         for r in src.get("rows", []):
             test = str(r["test"])
             if not (test[:2] in ("pp", "tg") and test[2:].isdigit()):
@@ -122,6 +130,7 @@ def load_rows(path: Path | None = None) -> list[Row]:
                     read=src.get("read", "source"),
                     exclude=r.get("exclude"),
                     group=str(src.get("fit_group", "")),
+                    flash_attn=src["flash_attn"],
                 )
             )
     return rows
@@ -144,7 +153,7 @@ def row_features(row: Row) -> list[float]:
     m = row_model(row)
     layers = list(range(m.block_count))
     if row.kind == "decode":
-        return decode_features(m, layers, True, row.depth + row.n / 2, row.ubatch)
+        return decode_features(m, layers, True, row.depth + row.n / 2, row.ubatch, row.flash_attn)
     return prefill_features(m, layers, True, row.n, row.depth, row.ubatch)
 
 

@@ -363,13 +363,16 @@ def decode_features(
     holds_output: bool,
     depth: float,
     ubatch: int = DEFAULT_UBATCH,
+    flash_attn: bool = True,
 ) -> list[float]:
     """DECODE_FEATURES for one token on a device holding ``layers`` (+ the output head);
-    ``ubatch`` sizes a sliding-window block's cache (ModelInfo.kv_positions)."""
+    ``ubatch`` sizes a sliding-window block's cache (ModelInfo.kv_positions); the KV
+    feature is the attention's bytes, which depend on the flash-attention path
+    (ModelInfo.attn_bytes_per_position; llama-server defaults to it)."""
     st = model.block_stats
     q = sum(st[il].quant_bytes for il in layers)
     f = sum(st[il].f16_bytes for il in layers)
-    kv = model.kv_bytes_per_token_per_layer * sum(
+    kv = model.attn_bytes_per_position(flash_attn) * sum(
         model.kv_positions(il, depth, ubatch) for il in layers
     )
     moe = sum(1 for il in layers if st[il].moe)

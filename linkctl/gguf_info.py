@@ -297,6 +297,19 @@ class ModelInfo:
         """K and V cache bytes one token of context occupies in one layer (f16 cache)."""
         return self.head_count_kv * (self.key_length + self.value_length) * 2
 
+    def attn_bytes_per_position(self, flash_attn: bool = True) -> int:
+        """Bytes one block's attention moves per context position for one generated token.
+        With flash attention (llama-server's default, -fa auto) the fused kernel reads the
+        cached K and V rows: the cache bytes. Without it, build_attn_mha
+        (src/llama-graph.cpp) runs kq = ggml_mul_mat(k, q) in F32, ggml_soft_max_ext(kq)
+        and ggml_mul_mat(v, kq), and the mat-vec kernels broadcast K and V over the query
+        heads (ggml-metal.metal kernel_mul_mv_*: offset0 = (i12/r2)*nb02, one threadgroup
+        per query head), so every row is read once per query head, and the F32 KQ row of
+        each head is written, read and written by the soft_max, then read: 4 x 4 bytes."""
+        if flash_attn:
+            return self.kv_bytes_per_token_per_layer
+        return self.head_count * ((self.key_length + self.value_length) * 2 + 4 * 4)
+
     @property
     def is_moe(self) -> bool:
         return self.expert_count > 1

@@ -83,3 +83,33 @@ def test_devices_without_rows_are_marked_assumed():
     assert cat["gb10"].fit["summary"].startswith("fitted")
     text = render_fit_toml(fit_all(load_rows(), load_spec()), load_rows())
     assert "[h200.notes]" in text and "[gb10.notes]" in text  # gb10: no F16 rows
+
+
+def test_attention_without_flash_attention_reads_kv_once_per_query_head():
+    """Without flash attention llama.cpp's mat-vec kernels broadcast K and V over the
+    query heads and materialise the F32 KQ row, so a row's KV feature is n_head / n_head_kv
+    times the cache bytes plus the KQ passes; with it, the cache bytes. Nothing else moves."""
+    from linkctl.estimate import decode_features
+    from linkctl.shapes import model_info
+
+    m = model_info("llama-3-70b", "Q4_K_M")  # 64 query heads, 8 KV heads, head dim 128
+    layers = list(range(m.block_count))
+    fa = decode_features(m, layers, True, 4096, flash_attn=True)
+    no = decode_features(m, layers, True, 4096, flash_attn=False)
+    assert fa[4] == m.kv_bytes_per_token_per_layer * m.block_count * 4096
+    assert no[4] == pytest.approx(fa[4] * 64 / 8 * (1 + 16 / 512))
+    assert fa[:4] == no[:4]
+    rows = load_rows()
+    assert {r.flash_attn for r in rows} == {True, False}
+    m3 = [r for r in rows if r.device == "m3-max"]
+    assert m3 and not any(r.flash_attn for r in m3)  # the 2024 notebooks: llama-bench -fa 0
+
+
+def test_a_source_that_does_not_say_whether_it_ran_flash_attention_is_refused(tmp_path):
+    from linkctl.errors import InputError
+
+    text = (REPO / "linkctl" / "data" / "published_bench.toml").read_text()
+    bad = tmp_path / "rows.toml"
+    bad.write_text(text.replace("flash_attn = true\n", "", 1))
+    with pytest.raises(InputError, match="flash_attn"):
+        load_rows(bad)
