@@ -53,7 +53,7 @@ sys.exit(1)
 
 RTT = r"""
 import sys
-from linkctl.calibrate import rpc_rtt_us
+from linkctl.llama_client import rpc_rtt_us
 print(rpc_rtt_us(int(sys.argv[2]), 200, host=sys.argv[1]))
 """
 

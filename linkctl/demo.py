@@ -509,7 +509,7 @@ class RpcRoundTrip(Step):
         self.title = f"RPC round trip {head} -> {ip}:{port}"
 
     def run(self, ctx: DemoContext) -> str:
-        from linkctl.calibrate import rpc_rtt_us
+        from linkctl.llama_client import rpc_rtt_us
 
         assert ctx.lab is not None
         # Before llama-server connects: rpc-server serves one client at a time.
@@ -595,20 +595,20 @@ class Completions(Step):
         self.title = f"completions: {opts.runs} x {opts.tokens} tokens through llama-server"
 
     def run(self, ctx: DemoContext) -> str:
-        from linkctl.calibrate import timed_completions
+        from linkctl.llama_client import timed_completions
 
         assert ctx.lab is not None
         o = ctx.opts
         with labmod.inside(ctx.lab.host(ctx.head).netns):
             runs = timed_completions(ctx.prof["serve"]["port"], o.tokens, o.runs, PROMPT)
-        tok_s = [r["predicted_per_second"] for r in runs]
+        tok_s = [r.predicted_per_second for r in runs]
         best = max(tok_s)
         ctx.report["measured"] = {
             "split_decode_tok_s": best,
             "median_decode_tok_s": statistics.median(tok_s),
             "runs_tok_s": tok_s,
-            "tokens_generated": int(sum(r["predicted_n"] for r in runs)),
-            "prompt_tokens": int(runs[0]["prompt_n"]),
+            "tokens_generated": int(sum(r.predicted_n for r in runs)),
+            "prompt_tokens": int(runs[0].prompt_n),
         }
         pred = ctx.report["predicted"]["split_decode_tok_s"]
         ctx.report["error_pct"] = round((pred - best) / best * 100, 1)

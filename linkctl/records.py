@@ -16,7 +16,6 @@ read as version 1: the format is the one written before the field existed.
 
 from __future__ import annotations
 
-import contextlib
 import json
 from datetime import UTC, datetime
 from pathlib import Path
@@ -249,13 +248,12 @@ def calibration_path() -> Path:
     return state_dir() / "calibration.json"
 
 
+def _move_aside(path: Path) -> str:
+    return f"move it aside (mv {path} {path}.old) and re-run `linkctl calibrate`"
+
+
 def load_calibration_file(path: Path) -> CalibrationFile:
-    return load(
-        CalibrationFile,
-        path,
-        "calibration file",
-        "re-run `linkctl calibrate` (or delete the file)",
-    )
+    return load(CalibrationFile, path, "calibration file", _move_aside(path))
 
 
 def load_calibrations(extra: list[Path] | None = None) -> dict[str, CalibrationRecord]:
@@ -271,15 +269,31 @@ def load_calibrations(extra: list[Path] | None = None) -> dict[str, CalibrationR
     return out
 
 
+def kept_calibrations() -> dict[str, CalibrationRecord]:
+    """The other hosts' records that saving one keeps. A file that exists but is not a
+    calibration file this linkctl reads (not JSON, another schema_version, another
+    shape) is an InputError: replacing it would lose what it holds."""
+    path = calibration_path()
+    if not path.exists():
+        return {}
+    try:
+        return load_calibration_file(path).hosts
+    except InputError as e:
+        raise InputError(f"{e.message}; calibrate will not replace it", e.fix) from None
+
+
 def save_calibration(host: str, record: CalibrationRecord) -> Path:
     """Set ``host``'s record in this host's calibration file, keeping the others'.
-    An unreadable file is replaced (it held nothing usable)."""
+    Refuses (InputError, nothing written) a file it cannot read: see kept_calibrations."""
     path = calibration_path()
-    hosts: dict[str, CalibrationRecord] = {}
-    if path.is_file():
-        with contextlib.suppress(InputError):
-            hosts = load_calibration_file(path).hosts
-    write_atomic(path, dump(CalibrationFile(hosts={**hosts, host: record})))
+    text = dump(CalibrationFile(hosts={**kept_calibrations(), host: record}))
+    try:
+        write_atomic(path, text)
+    except OSError as e:
+        raise InputError(
+            f"cannot save the calibration to {path}: {e}",
+            "run as the user owning the state directory or set LINKCTL_STATE_DIR",
+        ) from None
     return path
 
 

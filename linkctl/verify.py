@@ -567,9 +567,9 @@ def greedy_steps(url: str, prompt: str, opts: VerifyOptions) -> list[Step]:
     there. For linkctl's tiny byte-level model, ``logit_bias`` keeps the greedy choice off
     the bytes 0x80-0xFF so that every position has its probabilities (the bias acts in
     the sampler, after the logits the probabilities are computed from)."""
-    from linkctl.calibrate import _post
+    from linkctl.llama_client import post
 
-    ids = _post(f"{url}/tokenize", {"content": prompt, "add_special": True}, 60).get("tokens")
+    ids = post(f"{url}/tokenize", {"content": prompt, "add_special": True}, 60).get("tokens")
     if not ids:
         raise CheckFailed(f"llama-server tokenized the prompt {prompt[:30]!r} to nothing")
     steps: list[Step] = []
@@ -585,7 +585,7 @@ def greedy_steps(url: str, prompt: str, opts: VerifyOptions) -> list[Step]:
             "return_tokens": True,
             "logit_bias": opts.logit_bias,
         }
-        r = _post(f"{url}/completion", body, 300)
+        r = post(f"{url}/completion", body, 300)
         toks = r.get("tokens") or []
         if not r.get("completion_probabilities") and len(toks) == 1:
             got = [Step(int(toks[0]), math.nan, {}, "", has_probs=False)]
@@ -604,7 +604,7 @@ def run_prompts(
     say: Callable[[str], None],
     runner,
 ) -> tuple[list[list[Step]], dict[str, float]]:
-    from linkctl.calibrate import wait_health
+    from linkctl.llama_client import wait_health
 
     t0 = time.monotonic()
     with _Server(pl.argv, log_dir / f"{pl.role}.log", runner) as srv:

@@ -144,3 +144,58 @@ def test_serve_status_round_trip(state):
     p.write_text('{"state": "ready"}')
     with pytest.raises(InputError, match="not a linkctl serve status"):
         load_status(p)
+
+
+UNREADABLE_CALIBRATIONS = [
+    ("not json {", "is unreadable"),
+    ('{"schema_version": 2, "hosts": {}}', "schema_version 2, this linkctl reads 1"),
+    ('{"hosts": {"dgx": [1, 2]}}', "not a linkctl calibration file (hosts.dgx:"),
+    ("[1, 2]", "not a linkctl calibration file (not a JSON object)"),
+]
+
+
+def _tree(root) -> dict[str, tuple[bytes, int]]:
+    return {
+        str(p.relative_to(root)): (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.mark.parametrize(("text", "words"), UNREADABLE_CALIBRATIONS)
+def test_save_calibration_refuses_a_file_it_cannot_read_and_changes_nothing(state, text, words):
+    p = calibration_path()
+    p.write_text(text)
+    os.utime(p, ns=(1_000_000_000, 1_000_000_000))  # an mtime a rewrite could not keep
+    before = _tree(state)
+    with pytest.raises(InputError) as e:
+        save_calibration("dgx", CalibrationRecord(layer_us=5.0))
+    line = e.value.line()
+    assert words in line and str(p) in line and "calibrate will not replace it" in line
+    assert f"mv {p} {p}.old" in line and "\n" not in line
+    assert e.value.exit_code == 2
+    assert _tree(state) == before  # same bytes, same mtime, no temporary file left
+
+
+def test_calibrate_refuses_before_measuring_and_writes_nothing(state, tmp_path_factory):
+    """The CLI, real run and dry run: exit 2, one line naming the file, no servers
+    started, no generated model or log written (the state dir is byte-for-byte as it was)."""
+    from conftest import linkctl
+
+    from linkctl.tinymodel import TinySpec, write_tiny_llama
+
+    model = write_tiny_llama(tmp_path_factory.mktemp("m") / "t.gguf", TinySpec())["path"]
+    p = calibration_path()
+    p.write_text('{"schema_version": 99, "hosts": {"mac": {}}}')
+    os.utime(p, ns=(1_000_000_000, 1_000_000_000))
+    before = _tree(state)
+    env = {**os.environ, "LINKCTL_STATE_DIR": str(state)}
+    for extra in ([], ["--dry-run"], ["--json"]):
+        r = linkctl("calibrate", "--host", "dgx", "--model", model, *extra, env=env)
+        assert r.returncode == 2, r.stderr
+        assert r.stdout == ""
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and str(p) in lines[0] and "schema_version 99" in lines[0]
+        assert "move it aside" in lines[0]
+        assert _tree(state) == before
+        assert sorted(x.name for x in state.iterdir()) == ["calibration.json"]

@@ -214,24 +214,40 @@ def register(app: typer.Typer) -> None:
 
         Example: linkctl calibrate --model /models/llama-8b-q4_k_m.gguf --rpc
         """
-        from linkctl.calibrate import calibrate, render_calibration
+        from linkctl.calibrate_plan import plan, render_plan
+        from linkctl.output import print_json
 
         prof, _ = load(profile)
-        host = host or os.environ.get("LINKCTL_HOST")
-        rec = calibrate(
+        p = plan(
             prof,
             model or [],
-            host=host,
+            host=host or os.environ.get("LINKCTL_HOST"),
             tokens=tokens,
             runs=runs,
             threads=threads,
             rpc=rpc,
             bin_dir=bin_dir,
-            dry_run=dry_run,
         )
-        if json_out:
-            from linkctl.output import print_json
+        if dry_run:
+            if json_out:
+                print_json(p.as_json())
+            else:
+                render_plan(p)
+            return
+        from linkctl.calibrate import as_json, record, render_calibration
+        from linkctl.calibrate_measure import measure
+        from linkctl.records import save_calibration
 
-            print_json(rec)
+        rec = record(p, measure(p, say=_say_calibrate))
+        out = as_json(rec, save_calibration(p.host, rec))
+        if json_out:
+            print_json(out)
         else:
-            render_calibration(rec)
+            render_calibration(out)
+
+
+def _say_calibrate(msg: str) -> None:
+    import sys
+
+    sys.stderr.write(f"linkctl[calibrate] {msg}\n")
+    sys.stderr.flush()
