@@ -44,24 +44,24 @@ def test_calibrate_solves_both_decode_terms_and_estimate_uses_them(make_lab, tmp
     prof.write_text(tomli_w.dumps(data))
     model = write_tiny_llama(tmp_path / "tiny.gguf", TinySpec(n_layer=2, n_embd=256, n_ff=512))
 
-    r = lab.run(
-        "dgx",
-        "calibrate",
-        "--profile",
-        str(prof),
-        "--model",
-        model["path"],
-        "--tokens",
-        "16",
-        "--runs",
-        "2",
-        "--threads",
-        "1",
-        "--json",
-        timeout=900,
-    )
+    args = ["--profile", str(prof), "--model", model["path"], "--tokens", "16", "--runs", "2"]
+    args += ["--threads", "1", "--json"]
+    # The dry run is the plan the real run carries out, and writes nothing.
+    r = lab.run("dgx", "calibrate", *args, "--dry-run")
     assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert not Path(plan["workdir"]).exists() and not Path(plan["saves_to"]).exists()
+    assert [m["spec"] is not None for m in plan["models"]] == [False, True]
+    assert plan["commands"] == [s["argv"] for s in plan["servers"]]
+    r = lab.run("dgx", "calibrate", *args, timeout=900)
+    assert r.returncode == 0, r.stderr
+    assert "linkctl[calibrate] timed run 2/2" in r.stderr  # progress, on stderr
     rec = json.loads(r.stdout)
+    assert [m["model"] for m in rec["models"]] == [m["path"] for m in plan["models"]]
+    assert rec["saved_to"] == plan["saves_to"]
+    assert Path(plan["models"][1]["path"]).is_file()  # the generated one, written by measure
+    ctx = plan["commands"][0][plan["commands"][0].index("-c") + 1]
+    assert rec["runs"][0]["prompt_n"] == plan["prompt_tokens"] and int(ctx) == plan["context"]
     assert rec["host"] == "dgx" and rec["device"] == "cpu"
     ms = rec["models"]
     assert len(ms) == 2 and not ms[0]["generated"] and ms[1]["generated"]
