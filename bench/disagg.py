@@ -29,54 +29,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import tempfile
-import time
-import uuid
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
+from labkit import PY, Proc, in_ns, start, wait_status
+
+TESTS = Path(__file__).resolve().parent.parent / "tests"
+sys.path.insert(0, str(TESTS))  # route_client (the requests), ggufshapes (the 70B header)
 
 DECODE, ROUTE = 8080, 9999
 
 
-def lab_exec(lab, host: str, argv: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    from linkctl.lab import exec_argv
-
-    full, env = exec_argv(lab, host, argv)
-    return subprocess.run(full, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def lab_spawn(lab, host: str, argv: list[str], log: Path) -> subprocess.Popen:
-    from linkctl.lab import exec_argv
-
-    full, env = exec_argv(lab, host, argv)
-    return subprocess.Popen(full, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-
-
-def client(lab, *ops: dict) -> list[dict]:
-    r = lab_exec(
-        lab, "mac", [sys.executable, str(REPO / "tests" / "route_client.py"), json.dumps(ops)]
-    )
-    if r.returncode != 0:
-        raise RuntimeError(r.stderr[-3000:])
-    return json.loads(r.stdout)
-
-
-def wait_file(path: Path, pred, timeout: float, what: str, log: Path) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if pred(json.loads(path.read_text())):
-                return
-        except (OSError, ValueError):
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{what} not reached; log {log}:\n{log.read_text()[-3000:]}")
+def client(lab: str, *ops: dict) -> list[dict]:
+    return json.loads(in_ns(lab, "mac", PY, str(TESTS / "route_client.py"), json.dumps(ops)))
 
 
 def body(prompt: str, n: int, **extra) -> dict:
@@ -100,10 +65,9 @@ def main() -> int:
     ap.add_argument("--embd", type=int, default=512)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    if os.geteuid() != 0:
-        print("bench/disagg.py needs root (network namespaces)", file=sys.stderr)
-        return 2
     lengths = [int(x) for x in a.lengths.split(",")]
+
+    import tomllib
 
     import tomli_w
     from route_client import prompt_of
@@ -113,27 +77,19 @@ def main() -> int:
     from linkctl.estimate import LinkFigures
     from linkctl.estimate_run import participants
     from linkctl.gguf_info import read_model
-    from linkctl.llama import find_bins
     from linkctl.profile import load_profile, parse_profile
     from linkctl.tinymodel import TinySpec, write_tiny_llama
 
-    find_bins().need("llama-server")
-    tmp = Path(tempfile.mkdtemp(prefix="linkctl-bench-disagg-"))
-    os.environ.setdefault("LINKCTL_STATE_DIR", str(tmp / "state"))
+    name, tmp, _state, _bins = start("disagg", "network namespaces")
     ctx = 8192
     spec = TinySpec(n_layer=a.layers, n_embd=a.embd, n_ff=a.embd * 2, n_ctx=ctx)
     model = write_tiny_llama(tmp / "tiny.gguf", spec)
     prof, _ = load_profile("dgx-mac")
-    name = "d" + uuid.uuid4().hex[:6]
     lab = labmod.up(prof, name)
-    procs: list[subprocess.Popen] = []
+    procs: list[Proc] = []
     try:
         for h in ("dgx", "mac"):
-            r = lab_exec(lab, h, ["linkctl", "setup"])
-            if r.returncode != 0:
-                raise RuntimeError(f"setup {h}: {r.stderr}")
-        import tomllib
-
+            in_ns(name, h, "linkctl", "setup")
         data = tomllib.loads(Path(lab.profile_path).read_text())
         data["serve"] |= {
             "mode": "disaggregated",
@@ -144,46 +100,21 @@ def main() -> int:
         lab_prof = parse_profile(data)
         pfile = tmp / "disagg.toml"
         pfile.write_text(tomli_w.dumps(data))
-        root = Path(lab.root) / "hosts"
-        procs.append(
-            lab_spawn(lab, "dgx", ["linkctl", "serve", "--profile", str(pfile)], tmp / "dgx.log")
+        serve = ["linkctl", "serve", "--profile", str(pfile)]
+        dgx = Proc(name, "dgx", serve, tmp / "dgx.log")
+        procs.append(dgx)
+        prefill = lab.host_state_dir("dgx") / "serve" / "prefill.json"
+        wait_status(prefill, dgx, 60, "kv-agent", state="waiting")
+        sync = json.loads(
+            in_ns(name, "mac", "linkctl", "model", "sync", "--profile", str(pfile), "--json")
         )
-        wait_file(
-            root / "dgx/serve/prefill.json",
-            lambda s: s["state"] == "waiting",
-            60,
-            "agent",
-            tmp / "dgx.log",
-        )
-        r = lab_exec(lab, "mac", ["linkctl", "model", "sync", "--profile", str(pfile), "--json"])
-        if r.returncode != 0:
-            raise RuntimeError(f"model sync: {r.stderr}")
-        sync = json.loads(r.stdout)
-        wait_file(
-            root / "dgx/serve/prefill.json",
-            lambda s: s["state"] == "ready",
-            120,
-            "prefill",
-            tmp / "dgx.log",
-        )
-        procs.append(
-            lab_spawn(
-                lab,
-                "mac",
-                ["linkctl", "serve", "--profile", str(pfile), "--skip-probe"],
-                tmp / "mac.log",
-            )
-        )
-        wait_file(
-            root / "mac/serve/route.json",
-            lambda s: s["state"] == "ready",
-            180,
-            "route",
-            tmp / "mac.log",
-        )
+        wait_status(prefill, dgx, 120, "prefill llama-server")
+        mac = Proc(name, "mac", [*serve, "--skip-probe"], tmp / "mac.log")
+        procs.append(mac)
+        wait_status(lab.host_state_dir("mac") / "serve" / "route.json", mac, 180, "route")
 
         client(
-            lab, {"port": DECODE, "path": "/completion", "body": body("warm up", 4, stream=False)}
+            name, {"port": DECODE, "path": "/completion", "body": body("warm up", 4, stream=False)}
         )
         rows = []
         for n in lengths:
@@ -193,7 +124,7 @@ def main() -> int:
                 # slot, and the same prompt again would be served from that cache.
                 p = prompt_of(n, seed=run)
                 loc, dis = client(
-                    lab,
+                    name,
                     {
                         "port": DECODE,
                         "path": "/completion",
@@ -233,12 +164,7 @@ def main() -> int:
             )
     finally:
         for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            proc.stop()
         labmod.down(name)
 
     info = read_model(model["path"])

@@ -2,7 +2,7 @@
 stopped by their own process group, waits on ports, timed completions, and a CPU
 limit for one host's processes (a cgroup the bench creates and removes).
 
-Imported by bench/decode.py, estimate_accuracy.py and split_gain.py (run as scripts:
+Imported by bench/decode.py, disagg.py, estimate_accuracy.py and split_gain.py (run as scripts:
 their directory is on sys.path).
 """
 
@@ -172,13 +172,13 @@ def wait_port(lab: str, host: str, addr: str, port: int, timeout: float = 30) ->
     in_ns(lab, host, PY, "-c", code, addr, str(port), str(timeout), timeout=timeout + 10)
 
 
-def wait_status(path: Path, proc: Proc, timeout: float, what: str) -> dict:
-    """Until `linkctl serve`'s status file says ready (or the process ends)."""
+def wait_status(path: Path, proc: Proc, timeout: float, what: str, state: str = "ready") -> dict:
+    """Until `linkctl serve`'s status file says ``state`` (or the process ends)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with contextlib.suppress(OSError, ValueError):
             st = json.loads(path.read_text())
-            if st.get("state") == "ready":
+            if st.get("state") == state:
                 return st
         if proc.p.poll() is not None:
             break

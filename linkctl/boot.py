@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from linkctl.errors import InputError
+from linkctl.paths import is_published, publish_dir
 from linkctl.runner import Result, Runner, default_runner
 
 # The checkout the wheel is built from (the harness runs from a source tree).
@@ -174,39 +175,19 @@ class Recipe:
         )
 
 
-def _complete(d: Path) -> bool:
-    return (d / ".complete").is_file()
-
-
-def _publish(tmp: Path, final: Path) -> Path:
-    """Mark a freshly built cache entry complete and move it into place atomically
-    (another run that built the same entry meanwhile wins; ours is dropped)."""
-    (tmp / ".complete").write_text(time.strftime("%Y-%m-%dT%H:%M:%S\n"))
-    try:
-        tmp.rename(final)
-    except OSError:
-        if not _complete(final):
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
-
-
 def build_base(recipe: Recipe, runner: Runner, log: Log = _quiet) -> Path:
     """The base rootfs for ``recipe`` (cached): returns its root directory."""
     final = CACHE / "rootfs" / recipe.key
-    if _complete(final):
+    if is_published(final):
         return final / "root"
     if not runner.which("mmdebstrap"):
         raise InputError(
             "mmdebstrap is not installed", "apt-get install mmdebstrap (scripts/bootstrap.sh does)"
         )
-    tmp = final.with_name(f"{recipe.key}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    root = tmp / "root"
     t0 = time.monotonic()
     log(f"rootfs: mmdebstrap {recipe.source.suite} from {recipe.source.uri} ({recipe.key})")
-    try:
+    with publish_dir(final) as tmp:
+        root = tmp / "root"
         runner.run(
             [
                 "mmdebstrap",
@@ -226,11 +207,8 @@ def build_base(recipe: Recipe, runner: Runner, log: Log = _quiet) -> Path:
         (tmp / "recipe.json").write_text(
             json.dumps({"key": recipe.key, "packages": recipe.packages}, indent=2)
         )
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    log(f"rootfs: built in {time.monotonic() - t0:.0f} s")
-    return _publish(tmp, final) / "root"
+        log(f"rootfs: built in {time.monotonic() - t0:.0f} s")
+    return final / "root"
 
 
 def _customize(root: Path) -> None:
@@ -266,18 +244,12 @@ def host_wheels(runner: Runner, repo: Path = REPO_ROOT, log: Log = _quiet) -> Pa
     deps = _dependencies(repo)
     key = _digest({"deps": deps, "python": sys.version_info[:2]})
     final = CACHE / "wheels" / key
-    if _complete(final):
+    if is_published(final):
         return final
-    tmp = final.with_name(f"{key}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     log(f"wheels: pip wheel {len(deps)} dependencies")
-    try:
+    with publish_dir(final) as tmp:
         runner.run([sys.executable, "-m", "pip", "wheel", "-q", "-w", str(tmp), *deps], timeout=900)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return _publish(tmp, final)
+    return final
 
 
 def linkctl_wheel(runner: Runner, out: Path, repo: Path = REPO_ROOT) -> Path:
@@ -302,35 +274,31 @@ def build_deps(base: Path, wheels: Path, runner: Runner, log: Log = _quiet) -> P
     wheel_files = sorted(p.name for p in wheels.glob("*.whl"))
     key = _digest({"base": str(base), "wheels": wheel_files})
     final = CACHE / "rootfs" / f"deps-{key}"
-    if _complete(final):
+    if is_published(final):
         return final / "upper"
-    tmp = final.with_name(f"deps-{key}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    for d in ("upper", "work", "merged"):
-        (tmp / d).mkdir(parents=True)
-    merged = tmp / "merged"
     log(f"rootfs: venv {VENV} with {len(wheel_files)} wheels, offline")
-    mount_overlay(runner, merged, [base], tmp / "upper", tmp / "work")
-    try:
-        dest = merged / "tmp/linkctl-wheels"
-        shutil.copytree(wheels, dest)
-        _in_chroot(runner, merged, ["python3", "-m", "venv", VENV])
-        _in_chroot(
-            runner,
-            merged,
-            [f"{VENV}/bin/pip", "install", "-q", "--no-index", "--no-cache-dir",
-             "--disable-pip-version-check", "--find-links", "/tmp/linkctl-wheels",
-             *_dependencies(REPO_ROOT)],
-        )  # fmt: skip
-        shutil.rmtree(dest)
-    except BaseException:
-        umount(runner, merged)
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    umount(runner, merged)
-    shutil.rmtree(tmp / "work", ignore_errors=True)
-    merged.rmdir()
-    return _publish(tmp, final) / "upper"
+    with publish_dir(final) as tmp:
+        for d in ("upper", "work", "merged"):
+            (tmp / d).mkdir()
+        merged = tmp / "merged"
+        mount_overlay(runner, merged, [base], tmp / "upper", tmp / "work")
+        try:
+            dest = merged / "tmp/linkctl-wheels"
+            shutil.copytree(wheels, dest)
+            _in_chroot(runner, merged, ["python3", "-m", "venv", VENV])
+            _in_chroot(
+                runner,
+                merged,
+                [f"{VENV}/bin/pip", "install", "-q", "--no-index", "--no-cache-dir",
+                 "--disable-pip-version-check", "--find-links", "/tmp/linkctl-wheels",
+                 *_dependencies(REPO_ROOT)],
+            )  # fmt: skip
+            shutil.rmtree(dest)
+        finally:
+            umount(runner, merged)  # before the entry is published, or removed on failure
+        shutil.rmtree(tmp / "work", ignore_errors=True)
+        merged.rmdir()
+    return final / "upper"
 
 
 def mount_overlay(runner: Runner, target: Path, lowers: list[Path], upper: Path, work: Path):
@@ -743,7 +711,7 @@ def llama_dir() -> Path | None:
     if bins.rpc_server is None or bins.llama_server is None:
         return None
     d = Path(bins.llama_server.path).parent.parent
-    return d if (d / ".complete").is_file() else None
+    return d if (d / ".complete").is_file() else None  # scripts/build-llama.sh's marker
 
 
 def unit_props(c: Container, unit: str, *props: str) -> dict[str, str]:

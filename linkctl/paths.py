@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
 
@@ -36,19 +40,59 @@ def state_dir() -> Path:
     return Path(base) / "linkctl"
 
 
-def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
-    """Write ``text`` to ``path`` so a reader sees the old file or the new one, never a
-    part: a temporary file in the same directory (unique, so concurrent writers do not
-    share it), then rename over. Creates the parent directory."""
+@contextmanager
+def atomic_path(path: Path, mode: int = 0o644) -> Iterator[Path]:
+    """A temporary file beside ``path`` for a writer that wants a file name (a GGUF
+    writer, ``write_bytes``): given ``mode`` and renamed over ``path`` when the block
+    ends, removed if it raises, so a reader sees the old file or the new one, never a
+    part. Unique (two writers never share it) and in the same directory (the rename
+    stays on one filesystem). Creates the parent directory."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        yield Path(tmp)
         os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_atomic(path: Path, data: str | bytes, mode: int = 0o644) -> None:
+    """Write ``data`` (text or bytes) to ``path`` atomically (see atomic_path)."""
+    with atomic_path(path, mode) as tmp:
+        if isinstance(data, bytes):
+            tmp.write_bytes(data)
+        else:
+            tmp.write_text(data)
+
+
+def is_published(d: Path) -> bool:
+    """Whether ``d`` is a whole cache entry made by publish_dir."""
+    return (d / ".complete").is_file()
+
+
+@contextmanager
+def publish_dir(final: Path) -> Iterator[Path]:
+    """A fresh directory beside ``final`` to build a cache entry in. When the block ends
+    it is marked complete (``.complete``) and renamed to ``final`` in one step, so a
+    reader sees a whole entry or none; if another run published the same entry
+    meanwhile, that one stays and ours is dropped. Removed if the block raises."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f"{final.name}.tmp"))
+    os.chmod(tmp, 0o755)  # as a plain mkdir makes it (mkdtemp's is 0700)
+    try:
+        yield tmp
+        (tmp / ".complete").write_text(time.strftime("%Y-%m-%dT%H:%M:%S\n"))
+        try:
+            tmp.rename(final)
+        except OSError:
+            if not is_published(final):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 

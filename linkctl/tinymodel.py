@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from linkctl.errors import InputError
+from linkctl.paths import atomic_path
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,6 @@ def write_tiny_llama(path: str | Path, spec: TinySpec | None = None) -> dict[str
     spec = spec or TinySpec()
     spec.check()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(spec.seed)
     e, ff, v = spec.n_embd, spec.n_ff, N_VOCAB
 
@@ -73,32 +73,6 @@ def write_tiny_llama(path: str | Path, spec: TinySpec | None = None) -> dict[str
 
     def ones(n: int) -> np.ndarray:
         return np.ones(n, dtype=np.float32)
-
-    tmp = path.with_name(path.name + ".tmp")
-    writer = gguf.GGUFWriter(str(tmp), "llama")
-    writer.add_name(f"linkctl-tiny-llama-{spec.n_layer}L-{e}d-seed{spec.seed}")
-    writer.add_context_length(spec.n_ctx)
-    writer.add_embedding_length(e)
-    writer.add_block_count(spec.n_layer)
-    writer.add_feed_forward_length(ff)
-    writer.add_head_count(spec.n_head)
-    writer.add_head_count_kv(spec.n_head)
-    writer.add_rope_dimension_count(e // spec.n_head)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_vocab_size(v)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-
-    tokens, scores, types = vocab()
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_scores(scores)
-    writer.add_token_types(types)
-    writer.add_bos_token_id(BOS_ID)
-    writer.add_eos_token_id(EOS_ID)
-    writer.add_unk_token_id(UNK_ID)
-    writer.add_add_bos_token(True)
-    writer.add_add_eos_token(False)
 
     tensors: dict[str, np.ndarray] = {
         "token_embd.weight": w(v, e, scale=0.5),
@@ -118,13 +92,38 @@ def write_tiny_llama(path: str | Path, spec: TinySpec | None = None) -> dict[str
             p + "ffn_up.weight": w(ff, e),
             p + "ffn_down.weight": w(e, ff),
         }
-    for name, arr in tensors.items():
-        writer.add_tensor(name, arr)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    tmp.replace(path)
+
+    with atomic_path(path) as tmp:
+        writer = gguf.GGUFWriter(str(tmp), "llama")
+        writer.add_name(f"linkctl-tiny-llama-{spec.n_layer}L-{e}d-seed{spec.seed}")
+        writer.add_context_length(spec.n_ctx)
+        writer.add_embedding_length(e)
+        writer.add_block_count(spec.n_layer)
+        writer.add_feed_forward_length(ff)
+        writer.add_head_count(spec.n_head)
+        writer.add_head_count_kv(spec.n_head)
+        writer.add_rope_dimension_count(e // spec.n_head)
+        writer.add_rope_freq_base(10000.0)
+        writer.add_layer_norm_rms_eps(1e-5)
+        writer.add_vocab_size(v)
+        writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+
+        tokens, scores, types = vocab()
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(tokens)
+        writer.add_token_scores(scores)
+        writer.add_token_types(types)
+        writer.add_bos_token_id(BOS_ID)
+        writer.add_eos_token_id(EOS_ID)
+        writer.add_unk_token_id(UNK_ID)
+        writer.add_add_bos_token(True)
+        writer.add_add_eos_token(False)
+        for name, arr in tensors.items():
+            writer.add_tensor(name, arr)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
     n_params = sum(int(a.size) for a in tensors.values())
     return {
         "path": str(path),

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from linkctl.paths import write_atomic
+from linkctl.paths import atomic_path, write_atomic
 from linkctl.plan import FAULT_ENV
 
 
@@ -38,13 +38,11 @@ class _Saved:
         if self.data is None:
             p.unlink(missing_ok=True)
             return
-        tmp = p.with_name(f".{p.name}.linkctl-undo")
-        tmp.write_bytes(self.data)
-        os.chmod(tmp, self.mode)
-        if os.geteuid() == 0:
-            os.chown(tmp, *self.owner)
-        os.utime(tmp, ns=(self.mtime_ns, self.mtime_ns))
-        os.replace(tmp, p)
+        with atomic_path(p, self.mode) as tmp:
+            tmp.write_bytes(self.data)
+            if os.geteuid() == 0:
+                os.chown(tmp, *self.owner)
+            os.utime(tmp, ns=(self.mtime_ns, self.mtime_ns))
 
 
 @dataclass
