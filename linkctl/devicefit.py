@@ -404,6 +404,12 @@ def fit_prefill(rows: list[Row], prior: Prior) -> tuple[list[float], dict[str, s
         # and MoE throughput are collinear. Tie the former to the dense one (anchor ratio).
         ties[P_MOE_UB] = (P_UB, prior.ratio(pc, P_MOE_UB, P_UB, 0.0))
         notes["moe_ubatch_layer_us"] = f"assumed (rows do not separate it): the ratio in {src}"
+    if len({r.model for r in rows}) < 2 and P_UB not in fixed:
+        # One model: every row's micro-batch count and FLOPs grow together with the
+        # prompt (only its attention differs, and that has its own rate), so the rows
+        # cannot tell a per-micro-batch cost from a FLOPS rate.
+        _pin(fixed, ties, pc, P_UB, P_MOE_UB)
+        notes["ubatch_layer_us"] = f"assumed (one model: rows do not separate it from FLOPS): {src}"
     if not _full_rank(rows, 6, ties, fixed) and P_UB not in fixed:
         _pin(fixed, ties, pc, P_UB, P_MOE_UB)
         notes["ubatch_layer_us"] = f"assumed (rows do not separate it from FLOPS): {src}"

@@ -113,3 +113,20 @@ def test_a_source_that_does_not_say_whether_it_ran_flash_attention_is_refused(tm
     bad.write_text(text.replace("flash_attn = true\n", "", 1))
     with pytest.raises(InputError, match="flash_attn"):
         load_rows(bad)
+
+
+def test_prefill_rows_of_one_model_do_not_fit_a_per_micro_batch_cost():
+    """A unit whose prompt rows are all one model cannot tell a per-micro-batch cost from
+    a FLOPS rate (both grow with the prompt): the cost is the family anchor's, marked."""
+    from linkctl.devicefit import loo_fit
+
+    rows, spec = load_rows(), load_spec()
+    left_out = next(
+        r for r in rows if r.device == "m3-ultra" and r.model == "llama-2-7b" and r.test == "pp512"
+    )
+    rest = [r for r in rows if r.device == "m3-ultra" and r.kind == "prefill" and r is not left_out]
+    assert rest and len({r.model for r in rest}) == 1
+    fit = loo_fit(rows, left_out, spec)
+    assert "one model" in fit.notes["ubatch_layer_us"]
+    anchor = fit_all(rows, spec)["m2-ultra"]
+    assert fit.prefill[0] == pytest.approx(anchor.prefill[0])  # a time per block: not spec-scaled
