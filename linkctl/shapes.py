@@ -52,7 +52,14 @@ SHAPES: dict[str, Shape] = {
         "llama", 32, 4096, 32, 32, 11008, 32000, config=HF.format("meta-llama/Llama-2-7b-hf")
     ),
     "tinyllama-1.1b": Shape(
-        "llama", 22, 2048, 32, 4, 5632, 32000, config=HF.format("TinyLlama/TinyLlama-1.1B-Chat-v1.0")
+        "llama",
+        22,
+        2048,
+        32,
+        4,
+        5632,
+        32000,
+        config=HF.format("TinyLlama/TinyLlama-1.1B-Chat-v1.0"),
     ),
     "llama-3-8b": Shape(
         "llama", 32, 4096, 32, 8, 14336, 128256, config=HF.format("meta-llama/Meta-Llama-3-8B")
