@@ -105,14 +105,23 @@ def in_ns(
 
 
 def in_ns_rpc_limited(
-    lab: str, host: str, *argv: str, timeout: float, limit: CpuLimit | None, exe: str
+    lab: str,
+    host: str,
+    *argv: str,
+    timeout: float,
+    limit: CpuLimit | None,
+    exe: str,
+    outer: CpuLimit | None = None,
 ) -> tuple[str, list[int]]:
     """`in_ns` with only the processes named ``exe`` (the rpc-server) that the command
-    starts inside ``limit``'s group."""
+    starts inside ``limit``'s group; the rest of the command in ``outer``'s, if given."""
     if limit is None:
-        return in_ns(lab, host, *argv, timeout=timeout), []
+        return in_ns(lab, host, *argv, timeout=timeout, limit=outer), []
     p = subprocess.Popen(
-        ns_argv(lab, host, list(argv)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        ns_argv(lab, host, list(argv), outer),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     stop, moved = threading.Event(), []
     t = threading.Thread(target=limit.adopt, args=(p.pid, exe, stop, moved))
@@ -187,26 +196,39 @@ def wait_status(path: Path, proc: Proc, timeout: float, what: str, state: str = 
 
 
 class CpuLimit:
-    """A CPU quota for the processes a bench puts in it: a child cgroup created here
-    and removed on close. cgroup v2 ``cpu.max`` when the unified hierarchy has the cpu
-    controller, else the v1 cpu controller's CFS quota (on this machine cgroup2 at
-    /sys/fs/cgroup/unified has no controllers: cpu is bound to v1). Nothing else of
-    the machine's cgroups is touched."""
+    """A CPU quota, weight and/or set of CPUs for the processes a bench puts in it: a
+    child cgroup created here and removed on close. cgroup v2 ``cpu.max``/``cpu.weight``
+    when the unified hierarchy has the cpu controller, else the v1 cpu controller's CFS
+    quota and ``cpu.shares`` (on this machine cgroup2 at /sys/fs/cgroup/unified has no
+    controllers: cpu is bound to v1). The CPUs are a scheduler affinity (taskset /
+    sched_setaffinity, inherited by children and threads), not a cpuset group. Nothing
+    else of the machine's cgroups is touched."""
 
     V2 = Path("/sys/fs/cgroup/unified")
     V2_ALT = Path("/sys/fs/cgroup")
     V1 = Path("/sys/fs/cgroup/cpu")
 
-    def __init__(self, fraction: float):
+    def __init__(
+        self, fraction: float | None = None, *, weight: int = 1, cpus: set[int] | None = None
+    ):
         # A quota caps the group's CPU share per period; a host that idles between its
         # bursts (waiting for the other host's layers) would never reach a long period's
         # cap. With the kernel's smallest quota (1 ms) and a period of quota / fraction,
         # every burst longer than a few ms is slowed by ~1/fraction: a slower device.
-        if not 0.05 <= fraction <= 1:
+        # ``weight``: the group's share against other groups when a CPU is contended, in
+        # multiples of the default (v1 cpu.shares 1024, v2 cpu.weight 100), so the other
+        # jobs on a shared machine move a lab host's speed less.
+        if fraction is not None and not 0.05 <= fraction <= 1:
             raise SystemExit(f"cpu fraction {fraction}: give 0.05..1")
+        if not 1 <= weight <= 64:
+            raise SystemExit(f"cpu weight {weight}: give 1..64")
+        if cpus is not None and not cpus <= os.sched_getaffinity(0):
+            raise SystemExit(
+                f"cpus {sorted(cpus)}: this machine has {sorted(os.sched_getaffinity(0))}"
+            )
         quota = 1000
-        period_us = int(quota / fraction)
-        self.fraction, self.period_us = fraction, period_us
+        period_us = int(quota / fraction) if fraction else 0
+        self.fraction, self.period_us, self.weight, self.cpus = fraction, period_us, weight, cpus
         name = "linkctl-bench-" + uuid.uuid4().hex[:8]
         for root in (self.V2, self.V2_ALT):
             ctl = root / "cgroup.controllers"
@@ -216,17 +238,23 @@ class CpuLimit:
                     continue  # enabling it would change the machine's own hierarchy
                 self.path = root / name
                 self.path.mkdir()
-                (self.path / "cpu.max").write_text(f"{quota} {period_us}\n")
-                self.kind = f"cgroup v2 {self.path} cpu.max {quota} {period_us}"
+                if fraction:
+                    (self.path / "cpu.max").write_text(f"{quota} {period_us}\n")
+                (self.path / "cpu.weight").write_text(f"{100 * weight}\n")
+                self.kind = f"cgroup v2 {self.path} cpu.max {quota} {period_us or 'max'}"
                 break
         else:
             if not (self.V1 / "cpu.cfs_quota_us").is_file():
                 raise SystemExit("no cgroup cpu controller (v2 cpu.max or v1 cpu) to limit with")
             self.path = self.V1 / name
             self.path.mkdir()
-            (self.path / "cpu.cfs_period_us").write_text(f"{period_us}\n")
-            (self.path / "cpu.cfs_quota_us").write_text(f"{quota}\n")
-            self.kind = f"cgroup v1 {self.path} cfs_quota_us {quota} / cfs_period_us {period_us}"
+            if fraction:
+                (self.path / "cpu.cfs_period_us").write_text(f"{period_us}\n")
+                (self.path / "cpu.cfs_quota_us").write_text(f"{quota}\n")
+            (self.path / "cpu.shares").write_text(f"{1024 * weight}\n")
+            self.kind = f"cgroup v1 {self.path} cfs_quota_us {quota if fraction else -1}"
+            self.kind += f" / cfs_period_us {period_us}" if fraction else ""
+        self.kind += f", weight x{weight}" + (f", cpus {sorted(cpus)}" if cpus else "")
 
     def pids(self) -> list[int]:
         return [int(x) for x in (self.path / "cgroup.procs").read_text().split()]
@@ -265,12 +293,21 @@ class CpuLimit:
                     if names.get(k, "")[:15] == exe[:15] and k not in moved:
                         with contextlib.suppress(OSError):
                             procs.write_text(f"{k}\n")
+                            self.pin(k)
                             moved.append(k)
 
+    def pin(self, pid: int) -> None:
+        """Every thread of ``pid`` onto this group's CPUs (threads started later inherit)."""
+        if self.cpus:
+            for t in Path(f"/proc/{pid}/task").iterdir():
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(int(t.name), self.cpus)
+
     def wrap(self, argv: list[str]) -> list[str]:
-        """argv run inside this group (the shell joins it, then execs argv)."""
+        """argv run inside this group (the shell joins it, then execs argv), on its CPUs."""
         procs = self.path / "cgroup.procs"
-        return ["sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh", *argv]
+        pin = f"taskset -c {','.join(map(str, sorted(self.cpus)))} " if self.cpus else ""
+        return ["sh", "-c", f'echo $$ > {procs} && exec {pin}"$@"', "sh", *argv]
 
     def close(self) -> None:
         if not self.path.exists():

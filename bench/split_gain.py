@@ -96,12 +96,22 @@ def placement(log: str, mpath: str, order: list[str], addr: dict[str, str]) -> l
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds per split")
+    ap.add_argument("--runs", type=int, default=3, help="timed requests per split per round")
+    ap.add_argument("--rounds", type=int, default=6, help="interleaved rounds (ABBA order)")
+    ap.add_argument("--cal-runs", type=int, default=5, help="calibrate's timed requests")
+    ap.add_argument("--layers", type=int, default=8, help="tiny model blocks")
+    ap.add_argument("--embd", type=int, default=768, help="tiny model width")
+    ap.add_argument("--ff", type=int, default=2048, help="tiny model feed-forward width")
     ap.add_argument("--threads", type=int, default=1, help="llama.cpp threads, head and dgx2")
     ap.add_argument("--fast-threads", type=int, default=1, help="dgx1's rpc-server threads")
     ap.add_argument("--fast-cpu", type=float, default=0.0, help="dgx1's CPU quota; 0: none")
     ap.add_argument("--slow-cpu", type=float, default=0.35, help="dgx2's CPU quota; 0: none")
+    ap.add_argument(
+        "--weight", type=int, default=8, help="the lab hosts' CPU weight vs other jobs (1: equal)"
+    )
+    ap.add_argument(
+        "--no-pin", action="store_true", help="do not pin dgx1 to CPU 0 and dgx2 to CPU 1"
+    )
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--keep", action="store_true", help="leave the lab up")
     a = ap.parse_args()
@@ -120,6 +130,7 @@ def main() -> int:
         "target_pct": TARGET_PCT,
         "load_avg_before": os.getloadavg(),
         "load_avg": [],
+        "settings": vars(a),
     }
     try:
         linkctl("lab", "up", "--profile", "dgx2-mac-switch", "--name", name, "--json")
@@ -129,7 +140,8 @@ def main() -> int:
             in_ns(name, h, "linkctl", "setup")
         addr = {h["name"]: h["address"].split("/")[0] for h in lab["hosts"]}
         model = write_tiny_llama(
-            work / "tiny.gguf", TinySpec(n_layer=8, n_embd=512, n_head=8, n_ff=1536, n_ctx=1024)
+            work / "tiny.gguf",
+            TinySpec(n_layer=a.layers, n_embd=a.embd, n_head=8, n_ff=a.ff, n_ctx=1024),
         )
         mpath = model["path"]
         # The lab's llama.cpp is a CPU build: every host is a "cpu" device here.
@@ -147,9 +159,12 @@ def main() -> int:
         }
         prof = work / "profile.toml"
         prof.write_text(tomli_w.dumps(pdata))
-        for h, share in (("dgx1", a.fast_cpu), ("dgx2", a.slow_cpu)):
-            if share:
-                limits[h] = CpuLimit(share)
+        # Each lab host in a group of its own: the quota that makes it slower, a weight
+        # over the other jobs on this shared machine, and (unless --no-pin) a CPU of its
+        # own for each rpc host, so they are two machines; the head floats.
+        cpus = {"dgx1": {0}, "dgx2": {1}} if not a.no_pin else {}
+        for h, share in (("dgx1", a.fast_cpu), ("dgx2", a.slow_cpu), (HEAD, 0.0)):
+            limits[h] = CpuLimit(share or None, weight=a.weight, cpus=cpus.get(h))
 
         # The real probe, mac -> each rpc host: the reports serve gates on and estimates from.
         for h in RPC_HOSTS:
@@ -173,25 +188,25 @@ def main() -> int:
             resp.stop()
             procs.remove(resp)
 
-        # Calibrate each rpc host as it will run: dgx2 inside its CPU quota.
+        # Calibrate each rpc host as it will run: its rpc-server in its group (quota,
+        # CPU), the llama-server driving it (the head's work in the split: sampling, HTTP)
+        # in the head's, as under serve.
         cals = {}
         for h in RPC_HOSTS:
             argv = [PY, "-m", "linkctl", "calibrate", "--profile", str(prof), "--model", mpath,
                     "--rpc", "--threads", str(a.fast_threads) if h == "dgx1" else t,
-                    "--tokens", str(a.tokens), "--runs", str(a.runs), "--json"]  # fmt: skip
-            # Only the rpc-server joins the quota (as under serve): were the whole calibrate
-            # inside it, the llama-server driving it (the head's sampling and HTTP, outside
-            # the quota in the split) would be throttled too and dgx2 look slower than it is.
+                    "--tokens", str(a.tokens), "--runs", str(a.cal_runs), "--json"]  # fmt: skip
             out, moved = in_ns_rpc_limited(
                 name,
                 h,
                 *argv,
                 timeout=1800,
-                limit=limits.get(h),
+                limit=limits[h],
                 exe=Path(_bins.rpc_server.path).name,
+                outer=limits[HEAD],
             )
-            if limits.get(h) and not moved:
-                raise SystemExit(f"{h}: calibrate's rpc-server never joined the quota")
+            if not moved:
+                raise SystemExit(f"{h}: calibrate's rpc-server never joined its group")
             cals[h] = json.loads(out)
         cal_args = [x for h in RPC_HOSTS for x in ("--calibration", cals[h]["saved_to"])]
         result["calibration"] = {
@@ -202,12 +217,12 @@ def main() -> int:
         rpc_serves = {}
         for h in RPC_HOSTS:
             argv = [PY, "-m", "linkctl", "serve", "--profile", str(prof)]
-            lim = limits.get(h)
+            lim = limits[h]
             p = Proc(name, h, argv, work / f"{h}-serve.log", limit=lim)
             procs.append(p)
             rpc_serves[h] = p
             st = wait_status(root / "hosts" / h / "serve" / "rpc.json", p, 120, f"{h} rpc-server")
-            if lim and st["child_pid"] not in lim.pids():
+            if st["child_pid"] not in lim.pids():
                 raise SystemExit(f"{h}'s rpc-server {st['child_pid']} is not in {lim.kind}")
 
         def serve_head(profile: Path, split: str, tag: str) -> tuple[Proc, dict]:
@@ -233,16 +248,22 @@ def main() -> int:
                 HEAD,
                 ["linkctl", "serve", "--profile", str(profile), "--split", split, *cal_args],
                 work / f"head-{tag}.log",
+                limit=limits[HEAD],
             )
             procs.append(p)
             wait_status(status, p, 300, f"llama-server ({tag})")
+            complete(name, HEAD, PORT, 8, 1)  # warm-up: first graph allocations, page cache
             return p, plan
 
         order = list(RPC_HOSTS)
         runs: dict[str, list[float]] = {"llama": [], "recommended": []}
+        by_round: dict[str, list[list[float]]] = {"llama": [], "recommended": []}
         info: dict[str, dict] = {}
         for rnd in range(a.rounds):
-            for split in ("llama", "recommended"):
+            # ABBA: each split goes first in every other round, so a drift in the other
+            # jobs' load over the run weighs on both alike.
+            pair = ("llama", "recommended") if rnd % 2 == 0 else ("recommended", "llama")
+            for split in pair:
                 p, plan = serve_head(prof, split, f"{split}-{rnd}")
                 try:
                     timings = complete(name, HEAD, PORT, a.tokens, a.runs)
@@ -251,7 +272,9 @@ def main() -> int:
                     procs.remove(p)
                 result["load_avg"].append(os.getloadavg()[0])
                 counts = placement(p.text(), mpath, order, addr)
-                runs[split] += [r["predicted_per_second"] for r in timings]
+                tok_s = [r["predicted_per_second"] for r in timings]
+                runs[split] += tok_s
+                by_round[split].append(tok_s)
                 prev = info.get(split)
                 if prev and prev["placement"] != counts:
                     raise SystemExit(f"{split}: placement changed {prev['placement']} -> {counts}")
@@ -295,6 +318,7 @@ def main() -> int:
             )
             pred = est["split"]["decode_tok_s"]
             med = statistics.median(runs[split])
+            q1, _, q3 = statistics.quantiles(runs[split], n=4)
             rows.append(
                 {
                     "split": split,
@@ -303,7 +327,10 @@ def main() -> int:
                     "measured_median_tok_s": med,
                     "measured_min_tok_s": min(runs[split]),
                     "measured_max_tok_s": max(runs[split]),
+                    "measured_q1_tok_s": q1,
+                    "measured_q3_tok_s": q3,
                     "measured_runs": runs[split],
+                    "round_medians_tok_s": [statistics.median(r) for r in by_round[split]],
                     "predicted_tok_s": pred,
                     "serve_predicted_tok_s": i["serve_split"]["predicted_decode_tok_s"],
                     "error_pct": (pred - med) / med * 100,
@@ -376,24 +403,31 @@ def main() -> int:
         print(f"all figures: {work / 'result.json'}")
         c = result["calibration"]
         print(
-            f"tiny model {model['bytes'] / 1e6:.0f} MB F32; rpc-server threads dgx1 "
-            f"{a.fast_threads}, dgx2 {a.threads}; CPU quota dgx1 {a.fast_cpu:.0%}, dgx2 "
-            f"{a.slow_cpu:.0%} of one CPU (0: none, only the rpc-server in it); calibrated "
-            f"decode as an rpc device (loopback) dgx1 {c['dgx1']['rpc']['decode_tok_s']:.1f}, "
-            f"dgx2 {c['dgx2']['rpc']['decode_tok_s']:.1f} tok/s; load average (1 min) before "
-            f"{result['load_avg_before'][0]:.2f}, during {min(result['load_avg']):.2f}-"
-            f"{max(result['load_avg']):.2f}"
+            f"tiny model {a.layers} x {a.embd} (ff {a.ff}) F32, {model['bytes'] / 1e6:.0f} MB; "
+            f"rpc-server threads dgx1 {a.fast_threads}, dgx2 {a.threads}; CPU quota dgx1 "
+            f"{a.fast_cpu:.0%}, dgx2 {a.slow_cpu:.0%} of one CPU (0: none, only the rpc-server "
+            f"in it); weight x{a.weight} over other jobs; "
+            f"{'not pinned' if a.no_pin else 'dgx1 on CPU 0, dgx2 on CPU 1'}"
         )
         print(
-            f"{'split':<13}{'dgx1,dgx2':>10}{'measured median':>17}{'min-max':>14}"
-            f"{'predicted':>11}{'error':>8}"
+            f"calibrated decode as an rpc device (loopback) dgx1 "
+            f"{c['dgx1']['rpc']['decode_tok_s']:.1f}, dgx2 {c['dgx2']['rpc']['decode_tok_s']:.1f}"
+            f" tok/s; load average (1 min) before {result['load_avg_before'][0]:.2f}, during "
+            f"{min(result['load_avg']):.2f}-{max(result['load_avg']):.2f}"
+        )
+        print(
+            f"{a.rounds} interleaved rounds x {a.runs} runs x {a.tokens} tokens per split\n"
+            f"{'split':<13}{'dgx1,dgx2':>10}{'median':>8}{'IQR':>13}{'min-max':>13}"
+            f"{'predicted':>11}{'error':>8}   round medians"
         )
         for r in rows:
             pl = ",".join(str(v) for v in r["placement"].values())
+            rm = " ".join(f"{v:.1f}" for v in r["round_medians_tok_s"])
             print(
-                f"{r['split']:<13}{pl:>10}{r['measured_median_tok_s']:>17.1f}"
-                f"{r['measured_min_tok_s']:>7.1f}-{r['measured_max_tok_s']:<6.1f}"
-                f"{r['predicted_tok_s']:>11.1f}{r['error_pct']:>+7.1f}%"
+                f"{r['split']:<13}{pl:>10}{r['measured_median_tok_s']:>8.1f}"
+                f"{r['measured_q1_tok_s']:>7.1f}-{r['measured_q3_tok_s']:<5.1f}"
+                f"{r['measured_min_tok_s']:>7.1f}-{r['measured_max_tok_s']:<5.1f}"
+                f"{r['predicted_tok_s']:>11.1f}{r['error_pct']:>+7.1f}%   {rm}"
             )
         print(
             f"recommended / llama measured: {result['gain']:.2f}x; "
