@@ -3,8 +3,8 @@ answers, so their serialisation can be compared byte for byte across a change of
 report builder: what ``probe --json`` prints and what the state file holds.
 
 The answers stand in for what the OS and the peer said (a fake backend whose runner
-answers ping and iperf3 with their real output formats, ARP, the responder's echo
-figures, psutil's counters, the rpc-server's HELLO); every step, check and figure in
+answers ping and iperf3 with their real output formats, ARP, the responder's banner
+and echo times, psutil's counters, the rpc-server's HELLO); every step, check and figure in
 between is the probe's own code. tests/fixtures/probe/ holds the texts the builder
 wrote before its parts became typed (commit 5e3fbb1); ``python tests/probe_golden.py
 DIR`` writes them again.
@@ -22,7 +22,6 @@ from unittest import mock
 
 from linkctl.netstate import LinkFacts
 from linkctl.probe import run_probe
-from linkctl.probe.latency import stats_us
 from linkctl.probe.report import ProbeReport
 from linkctl.profile import load_profile
 from linkctl.runner import Result
@@ -142,11 +141,18 @@ def _banner(peer_ip: str) -> dict:
     }
 
 
-def _rtt(peer_ip: str, *a, **kw):
-    """What latency.measure_rtt returns: per-size echo statistics and the banner."""
-    sizes = (1, 32 * 1024, 128 * 1024)
-    tcp = {str(s): stats_us([40_000 + 97 * i + s // 8 for i in range(1000)][::-1]) for s in sizes}
-    return tcp, _banner(peer_ip)
+class _Echo:
+    """Stands in for latency.EchoClient: the responder's banner, and per size the
+    round-trip times (ns) the echoes took."""
+
+    def __init__(self, peer_ip: str, *a, **kw):
+        self.banner = _banner(peer_ip)
+
+    def measure(self, size: int, samples: int, warmup: int) -> list[int]:
+        return [40_000 + 97 * i + size // 8 for i in range(samples)][::-1]
+
+    def close(self) -> None:
+        pass
 
 
 def build(name: str) -> ProbeReport:
@@ -207,7 +213,7 @@ def build(name: str) -> ProbeReport:
                 lambda ifname: {"errin": 0, "errout": 0, "dropin": 3, "dropout": 0},
             )
         )
-        st.enter_context(mock.patch("linkctl.probe.latency.measure_rtt", _rtt))
+        st.enter_context(mock.patch("linkctl.probe.latency.EchoClient", _Echo))
         st.enter_context(mock.patch("linkctl.probe.socket.create_connection", connect))
         st.enter_context(mock.patch("linkctl.rpc.query", query))
         st.enter_context(mock.patch("linkctl.probe.throughput.busy_wait_s", lambda: 0.0))
