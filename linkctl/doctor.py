@@ -248,7 +248,7 @@ def check_peers(
                 name,
                 "PASS",
                 c.value,
-                f"{peer.ip} answers ARP in {scratch.arp.get('elapsed_ms')} ms; {c.detail}",
+                f"{peer.ip} answers ARP in {scratch.arp.elapsed_ms} ms; {c.detail}",
             )
             continue
         if c.name == "peer mac":

@@ -51,34 +51,94 @@ R = TypeVar("R", bound=Record)
 # ---- probe -----------------------------------------------------------------------
 
 
+# The probe's parts, each built by its step (linkctl/probe/) and handed on as is.
+# Fields are declared in the order the steps fill them, so a part's JSON reads in that
+# order both in `probe --json` and in the saved file.
+
+
 class NicPart(_Part):
-    speed_mbps: float | None = None
+    """Step 1: linkctl.netstate.LinkFacts of the interface, plus psutil's counters."""
+
+    ifname: str | None = None
+    up: bool | None = None
+    carrier: bool | None = None
     mtu: int | None = None
+    mac: str | None = None
+    addresses: list[str] = Field(default_factory=list)
+    speed_mbps: int | None = None
+    duplex: str | None = None
+    min_mtu: int | None = None
+    max_mtu: int | None = None
+    owner: str | None = None
+    owner_detail: str | None = None
+    media: str | None = None
+    counters: dict[str, int] | None = None
 
 
 class ArpPart(_Part):
+    """Step 2: who answered ARP for the peer (``error`` instead when ARP could not run)."""
+
     mac: str | None = None
+    macs: list[str] = Field(default_factory=list)
+    pinned: str | None = None
+    elapsed_ms: float | None = None
     error: str | None = None
 
 
 class MtuPart(_Part):
+    """Step 3: the don't-fragment echo at ``payload`` bytes (``mtu`` - IP and ICMP headers)."""
+
+    mtu: int | None = None
+    payload: int | None = None
     df_ok: bool | None = None
+    df_over_blocked: bool | None = None
+    detail: str = ""
     path_mtu_at_least: int | None = None
 
 
 class RttStats(_Part):
+    """linkctl.probe.latency.stats_us: one payload size's round trips, nearest-rank."""
+
     min_us: float | None = None
     p50_us: float | None = None
     p90_us: float | None = None
     p99_us: float | None = None
     max_us: float | None = None
+    stddev_us: float | None = None
+    samples: int | None = None
+
+
+class ResponderInfo(_Part):
+    """The banner the peer's `linkctl responder` sends on connect (probe.responder.info)."""
+
+    service: str | None = None
+    protocol: int | None = None
+    address: str | None = None
+    port: int | None = None
+    iperf_port: int | None = None
+    iperf_running: bool = False
+    iperf_pid: int | None = None
+    iperf_restarts: int | None = None
+
+
+class IcmpStats(_Part):
+    """linkctl.ping.PingSummary of the ICMP cross-check."""
+
+    sent: int = 0
+    received: int = 0
+    min_us: float | None = None
+    avg_us: float | None = None
+    max_us: float | None = None
+    stddev_us: float | None = None
 
 
 class LatencyPart(_Part):
-    # By payload size in bytes, as the JSON keys are: {"1": {...}, "32768": {...}}.
+    """Step 4. By payload size in bytes, as the JSON keys are: {"1": {...}, "32768": {...}}."""
+
     tcp: dict[str, RttStats] = Field(default_factory=dict)
     udp: dict[str, RttStats] = Field(default_factory=dict)
-    icmp: dict[str, Any] | None = None
+    responder: ResponderInfo | None = None
+    icmp: IcmpStats | None = None
 
     def smallest(self) -> tuple[float, str] | None:
         """The p50 RTT of the smallest payload measured (TCP before UDP) and its label."""
@@ -93,10 +153,35 @@ class LatencyPart(_Part):
 
 
 class ThroughputRun(_Part):
+    """Step 5: one iperf3 run (linkctl.probe.throughput.run_iperf)."""
+
     gbps: float | None = None
     retransmits: int | None = None
     direction: str | None = None
     streams: int | None = None
+    # iperf3's own seconds, else the whole seconds asked for (-t takes an integer).
+    seconds: float | int | None = None
+    bytes: int | None = None
+    sender_gbps: float | None = None
+
+
+class RpcDevice(_Part):
+    free: int
+    total: int
+
+
+class RpcPart(_Part):
+    """Step 6: the peer's rpc-server (linkctl.rpc.RpcInfo), or why it could not answer."""
+
+    endpoint: str | None = None
+    busy: bool | None = None
+    error: str | None = None
+    host: str | None = None
+    port: int | None = None
+    version: str | None = None
+    hello_format: str | None = None
+    devices: list[RpcDevice] = Field(default_factory=list)
+    elapsed_ms: float | None = None
 
 
 class ProbeRecord(Record):
@@ -120,7 +205,7 @@ class ProbeRecord(Record):
     # By run name (fwd_p1, rev_p1, fwd_p4, ...); a run that could not be measured
     # holds its reason instead of figures.
     throughput: dict[str, ThroughputRun | Any] = Field(default_factory=dict)
-    rpc: dict[str, Any] | None = None
+    rpc: RpcPart | None = None
 
     @property
     def timestamp(self) -> float | None:

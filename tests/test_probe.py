@@ -19,6 +19,10 @@ from pathlib import Path
 import pytest
 from conftest import need_tool
 from llama_util import stop
+from probe_golden import FIXTURES as GOLDEN
+from probe_golden import SCENARIOS
+from probe_golden import build as golden_build
+from probe_golden import texts as golden_texts
 
 from linkctl.errors import InputError
 from linkctl.lab import LAB_MIN_THROUGHPUT_GBPS, LAB_RTT_P99_US
@@ -30,7 +34,13 @@ from linkctl.probe.nic import check_nic
 from linkctl.probe.report import ProbeReport, save, to_prometheus
 from linkctl.probe.responder import Responder
 from linkctl.profile import load_profile
-from linkctl.records import latest_probe_path, load_probe, probe_path
+from linkctl.records import (
+    LatencyPart,
+    ThroughputRun,
+    latest_probe_path,
+    load_probe,
+    probe_path,
+)
 
 FIX = Path(__file__).parent / "fixtures" / "ping"
 
@@ -72,15 +82,15 @@ def test_parse_ping_linux_format():
 
 def test_stats_nearest_rank_percentiles():
     st = stats_us([i * 1000 for i in range(1, 101)])  # 1..100 us
-    assert (st["min_us"], st["p50_us"], st["p90_us"], st["p99_us"], st["max_us"]) == (
+    assert (st.min_us, st.p50_us, st.p90_us, st.p99_us, st.max_us) == (
         1.0,
         50.0,
         90.0,
         99.0,
         100.0,
     )
-    assert st["samples"] == 100
-    assert 28.0 < st["stddev_us"] < 29.0  # population stddev of 1..100 is 28.87
+    assert st.samples == 100
+    assert 28.0 < st.stddev_us < 29.0  # population stddev of 1..100 is 28.87
 
 
 def test_latency_threshold_grows_with_size():
@@ -151,15 +161,15 @@ def test_report_save_load_and_prometheus(tmp_path, monkeypatch):
     r = ProbeReport("dgx-mac", "mac", "dgx", "192.168.100.2")
     r.add("mtu", "PASS", 9000, 9000)
     r.add("throughput -> P1", "FAIL", 0.48, 8.0, "0.48 Gbit/s")
-    r.latency = {"tcp": {"1": stats_us([10_000, 12_000, 30_000])}}
-    r.throughput = {"fwd_p1": {"gbps": 0.48, "retransmits": 3, "direction": "fwd", "streams": 1}}
+    r.latency = LatencyPart(tcp={"1": stats_us([10_000, 12_000, 30_000])})
+    r.throughput = {"fwd_p1": ThroughputRun(gbps=0.48, retransmits=3, direction="fwd", streams=1)}
     path = save(r)
     assert path.name == "dgx-mac--mac--dgx.json"
     loaded = load_probe(probe_path("dgx-mac", "mac", "dgx"))
     assert loaded == load_probe(latest_probe_path())
     assert loaded.exit_code == 1 and loaded.ok is False
     assert loaded.checks[1]["verdict"] == "FAIL"
-    assert loaded.latency.tcp["1"].p50_us == r.latency["tcp"]["1"]["p50_us"]
+    assert loaded.latency.tcp["1"].p50_us == r.latency.tcp["1"].p50_us
     assert loaded.throughput["fwd_p1"].gbps == 0.48
     text = to_prometheus([r])
     for line in text.splitlines():
@@ -171,6 +181,35 @@ def test_report_save_load_and_prometheus(tmp_path, monkeypatch):
         'direction="fwd",streams="1"} 0.48' in text
     )
     assert 'quantile="0.5"} 12' in text
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_typed_parts_keep_probe_json_and_the_saved_file(name):
+    """Every step hands on its typed part (records.py) and the report serialises them
+    as the dict builder did: `probe --json` byte for byte as the builder before the
+    parts were typed printed it (tests/fixtures/probe/*.json), the saved file the same
+    JSON as it saved (*.saved.json) and now the very bytes --json prints."""
+    from linkctl import records
+
+    report = golden_build(name)
+    for part, cls in (
+        ("nic", records.NicPart),
+        ("arp", records.ArpPart),
+        ("mtu", records.MtuPart),
+        ("latency", records.LatencyPart),
+    ):
+        assert type(getattr(report, part)) is cls, part
+    assert all(type(t) is records.ThroughputRun for t in report.throughput.values())
+    assert report.rpc is None or type(report.rpc) is records.RpcPart
+    assert all(type(t) is records.RttStats for t in report.latency.tcp.values())
+
+    printed, saved = golden_texts(name)
+    assert printed == (GOLDEN / f"{name}.json").read_text()
+    old_saved = (GOLDEN / f"{name}.saved.json").read_text()
+    assert json.loads(saved) == json.loads(old_saved)
+    assert saved == printed
+    # A file the old builder saved reads back to the same record, and so to these bytes.
+    assert records.dump(records.ProbeRecord.model_validate_json(old_saved)) == printed
 
 
 def test_responder_refuses_wildcard():

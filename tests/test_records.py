@@ -13,8 +13,12 @@ from linkctl.probe.report import ProbeReport, save
 from linkctl.records import (
     SCHEMA_VERSION,
     CalibrationRecord,
+    LatencyPart,
+    MtuPart,
+    NicPart,
     ProbeRecord,
     ServeStatus,
+    ThroughputRun,
     calibration_path,
     dump,
     latest_probe,
@@ -37,12 +41,12 @@ def state(tmp_path, monkeypatch):
 def _report(peer: str = "dgx", time: str = "2026-01-01T00:00:00+00:00") -> ProbeReport:
     r = ProbeReport("dgx-mac", "mac", peer, "198.18.0.2", time=time)
     r.add("mtu", "PASS", 9000, 9000)
-    r.nic = {"speed_mbps": 10000, "mtu": 9000, "rx_bytes": 5}
-    r.mtu = {"df_ok": True, "path_mtu_at_least": 9000}
-    r.latency = {"tcp": {"1": stats_us([100, 120, 300]), "32768": stats_us([400, 500])}}
+    r.nic = NicPart(speed_mbps=10000, mtu=9000, rx_bytes=5)
+    r.mtu = MtuPart(df_ok=True, path_mtu_at_least=9000)
+    r.latency = LatencyPart(tcp={"1": stats_us([100, 120, 300]), "32768": stats_us([400, 500])})
     r.throughput = {
-        "fwd_p1": {"gbps": 9.4, "retransmits": 3, "direction": "fwd", "streams": 1},
-        "rev_p1": "skipped: --no-throughput",
+        "fwd_p1": ThroughputRun(gbps=9.4, retransmits=3, direction="fwd", streams=1),
+        "rev_p1": "skipped: --no-throughput",  # type: ignore[dict-item]  # a reader meets it
     }
     return r
 
@@ -58,8 +62,8 @@ def test_probe_round_trip_keeps_the_json_and_types_it(state):
     rec = load_probe(path)
     assert rec == load_probe(latest_probe_path())
     assert rec.nic.speed_mbps == 10000 and rec.nic.model_extra == {"rx_bytes": 5}
-    assert rec.latency.tcp["1"].p50_us == r.latency["tcp"]["1"]["p50_us"]
-    assert rec.latency.smallest() == (r.latency["tcp"]["1"]["p50_us"], "tcp 1-byte p50")
+    assert rec.latency.tcp["1"].p50_us == r.latency.tcp["1"].p50_us
+    assert rec.latency.smallest() == (r.latency.tcp["1"].p50_us, "tcp 1-byte p50")
     assert rec.first_throughput() == (9.4, "fwd_p1")
     assert rec.throughput["rev_p1"] == "skipped: --no-throughput"
     assert set(rec.runs()) == {"fwd_p1"}

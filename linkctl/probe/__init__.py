@@ -21,6 +21,7 @@ from typing import Any
 from linkctl.errors import InputError
 from linkctl.probe.report import ProbeReport
 from linkctl.profile import HostSpec, Profile
+from linkctl.records import RpcPart
 
 __all__ = ["ProbeReport", "choose_peers", "run_probe"]
 
@@ -111,8 +112,8 @@ def _steps(
         report.add("tcp rtt", "SKIP", None, spec.max_rtt_p99_us, str(e))
         report.stop(str(e), 2)
         return
-    report.latency["tcp"] = tcp
-    report.latency["responder"] = banner
+    report.latency.tcp = tcp
+    report.latency.responder = banner
     for size, st in tcp.items():
         n = int(size)
         if n == 1:
@@ -120,13 +121,13 @@ def _steps(
         else:
             limit = latency_threshold_us(n, spec.max_rtt_p99_us, spec.min_throughput_gbps)
             bad = "WARN"
-        verdict = "PASS" if st["p99_us"] <= limit else bad
+        verdict = "PASS" if st.p99_us is not None and st.p99_us <= limit else bad
         report.add(
             f"tcp rtt {_size(n)}",
             verdict,
-            st["p99_us"],
+            st.p99_us,
             limit,
-            f"value is p99 (us); p50 {st['p50_us']} us, {st['samples']} samples",
+            f"value is p99 (us); p50 {st.p50_us} us, {st.samples} samples",
         )
     mtu.check_icmp_rtt(report, backend, peer, spec.timeout_s, spec.max_rtt_p99_us)
 
@@ -135,13 +136,13 @@ def _steps(
         report.add(
             "throughput", "SKIP", None, spec.min_throughput_gbps, "skipped (--no-throughput)"
         )
-    elif not banner.get("iperf_running"):
+    elif not banner.iperf_running:
         msg = f"the responder on {peer.name} runs no iperf3 server (iperf3 missing on {peer.name}?)"
         report.add("throughput", "SKIP", None, spec.min_throughput_gbps, msg)
         report.stop(msg, 2)
         return
     else:
-        iperf_port = banner.get("iperf_port") or spec.iperf_port
+        iperf_port = banner.iperf_port or spec.iperf_port
         try:
             report.throughput = tp.measure(
                 backend.runner,
@@ -157,15 +158,16 @@ def _steps(
             report.stop(str(e), e.code)
             return
         for t in report.throughput.values():
-            ok = t["gbps"] >= spec.min_throughput_gbps
-            arrow = "->" if t["direction"] == "fwd" else "<-"
+            gbps = t.gbps or 0.0
+            ok = gbps >= spec.min_throughput_gbps
+            arrow = "->" if t.direction == "fwd" else "<-"
             report.add(
-                f"throughput {arrow} P{t['streams']}",
+                f"throughput {arrow} P{t.streams}",
                 "PASS" if ok else "FAIL",
-                t["gbps"],
+                t.gbps,
                 spec.min_throughput_gbps,
-                f"{t['gbps']:.2f} Gbit/s{'' if ok else ' (below the minimum)'}, "
-                f"{t['retransmits']} retransmits, {t['seconds']:g} s",
+                f"{gbps:.2f} Gbit/s{'' if ok else ' (below the minimum)'}, "
+                f"{t.retransmits} retransmits, {t.seconds:g} s",
             )
     _check_rpc(report, peer, spec.timeout_s)
 
@@ -191,15 +193,14 @@ def _check_rpc(report: ProbeReport, peer: HostSpec, timeout_s: float) -> None:
     try:
         info = rpc.query(addr, port, timeout=timeout_s)
     except rpc.RpcBusy as e:
-        report.rpc = {"endpoint": f"{addr}:{port}", "busy": True, "error": e.message}
+        report.rpc = RpcPart(endpoint=f"{addr}:{port}", busy=True, error=e.message)
         report.add("rpc", "WARN", None, None, e.message)
         return
     except InputError as e:
-        report.rpc = {"endpoint": f"{addr}:{port}", "error": e.message}
+        report.rpc = RpcPart(endpoint=f"{addr}:{port}", error=e.message)
         report.add("rpc", "FAIL", None, None, e.line())
         return
-    d = info.as_dict()
-    report.rpc = {"endpoint": f"{addr}:{port}", **d}
+    report.rpc = RpcPart(endpoint=f"{addr}:{port}", **info.as_dict())
     mem = ", ".join(f"{dv.free / 2**30:.1f}/{dv.total / 2**30:.1f} GiB free" for dv in info.devices)
     report.add(
         "rpc",

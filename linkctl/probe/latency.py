@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from linkctl.probe.responder import SERVICE
+from linkctl.records import ResponderInfo, RttStats
 
 SIZES = (1, 32 * 1024, 128 * 1024)
 
@@ -23,7 +24,7 @@ class ResponderUnavailable(Exception):
     """The peer's responder cannot be reached or is something else; .code is the exit code."""
 
 
-def stats_us(ns: list[int]) -> dict[str, Any]:
+def stats_us(ns: list[int]) -> RttStats:
     """min/p50/p90/p99/max/stddev in microseconds (nearest-rank percentiles)."""
     s = sorted(ns)
     n = len(s)
@@ -31,15 +32,15 @@ def stats_us(ns: list[int]) -> dict[str, Any]:
     def pct(p: float) -> float:
         return s[max(0, math.ceil(p / 100 * n) - 1)] / 1000
 
-    return {
-        "min_us": round(s[0] / 1000, 1),
-        "p50_us": round(pct(50), 1),
-        "p90_us": round(pct(90), 1),
-        "p99_us": round(pct(99), 1),
-        "max_us": round(s[-1] / 1000, 1),
-        "stddev_us": round(statistics.pstdev(s) / 1000, 1) if n > 1 else 0.0,
-        "samples": n,
-    }
+    return RttStats(
+        min_us=round(s[0] / 1000, 1),
+        p50_us=round(pct(50), 1),
+        p90_us=round(pct(90), 1),
+        p99_us=round(pct(99), 1),
+        max_us=round(s[-1] / 1000, 1),
+        stddev_us=round(statistics.pstdev(s) / 1000, 1) if n > 1 else 0.0,
+        samples=n,
+    )
 
 
 class EchoClient:
@@ -132,7 +133,7 @@ def measure_rtt(
     sizes: tuple[int, ...] = SIZES,
     peer_name: str = "peer",
     warmup: int | None = None,
-) -> tuple[dict[str, Any], dict[str, Any]]:
+) -> tuple[dict[str, RttStats], ResponderInfo]:
     """({size: stats}, responder banner). Raises ResponderUnavailable."""
     warm = warmup if warmup is not None else max(50, samples // 10)
     client = EchoClient(peer_ip, port, src_ip, timeout_s, peer_name)
@@ -140,4 +141,4 @@ def measure_rtt(
         res = {str(size): stats_us(client.measure(size, samples, warm)) for size in sizes}
     finally:
         client.close()
-    return res, client.banner
+    return res, ResponderInfo.model_validate(client.banner)

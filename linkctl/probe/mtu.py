@@ -13,6 +13,7 @@ from typing import Any
 from linkctl.ping import PingSummary, argv_deadline, parse_ping
 from linkctl.probe.report import ProbeReport
 from linkctl.profile import HostSpec
+from linkctl.records import IcmpStats, MtuPart
 
 IP_ICMP_HEADERS = 28
 FALLBACK_MTUS = (1500,)  # what a mismatched end most likely runs at
@@ -54,14 +55,14 @@ def check_path_mtu(
     over_ok, _s2, over_note = ping(
         backend, peer.ip, size=size + 1, timeout_s=min(timeout_s, 1.0), dont_fragment=True
     )
-    report.mtu = {
-        "mtu": mtu,
-        "payload": size,
-        "df_ok": ok,
-        "df_over_blocked": not over_ok,
-        "detail": note if not ok else "",
-        "path_mtu_at_least": mtu if ok else None,
-    }
+    report.mtu = MtuPart(
+        mtu=mtu,
+        payload=size,
+        df_ok=ok,
+        df_over_blocked=not over_ok,
+        detail=note if not ok else "",
+        path_mtu_at_least=mtu if ok else None,
+    )
     if not ok:
         works = None
         for m in FALLBACK_MTUS:
@@ -76,7 +77,7 @@ def check_path_mtu(
                 if w:
                     works = m
                     break
-        report.mtu["path_mtu_at_least"] = works
+        report.mtu.path_mtu_at_least = works
         why = (
             f"a {works}-byte DF echo does: one end (or a switch) runs MTU {works}, "
             f"set MTU {mtu} on both ends"
@@ -120,12 +121,12 @@ def check_icmp_rtt(
     timeout_s: float,
     max_rtt_us: float,
     count: int = 20,
-) -> dict[str, Any]:
+) -> IcmpStats:
     ok, s, note = ping(
         backend, peer.ip, count=count, timeout_s=min(timeout_s, 1.0), interval_s=0.01
     )
-    icmp = s.as_dict()
-    report.latency["icmp"] = icmp
+    icmp = IcmpStats(**s.as_dict())
+    report.latency.icmp = icmp
     if s.received == 0:
         report.add(
             "icmp rtt",

@@ -12,6 +12,7 @@ from typing import Any
 from linkctl.checks import Verdict, nic_checks
 from linkctl.probe.report import ProbeReport
 from linkctl.profile import HostSpec, Profile
+from linkctl.records import NicPart
 
 
 def counters(ifname: str) -> dict[str, int] | None:
@@ -27,9 +28,7 @@ def check_nic(report: ProbeReport, profile: Profile, host: HostSpec, backend: An
     """Add the NIC checks (linkctl.checks, the ones status and doctor apply); False when
     the link cannot carry anything (stop the probe)."""
     facts = backend.link_facts(host.interface)  # missing interface: InputError naming others
-    nic = facts.as_dict()
-    nic["counters"] = counters(host.interface)
-    report.nic = nic
+    report.nic = NicPart(**facts.as_dict(), counters=counters(host.interface))
     checks = nic_checks(facts, host, profile.link)
     ifname = host.interface
 

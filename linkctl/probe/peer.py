@@ -7,6 +7,7 @@ import time
 from linkctl.errors import PermissionDenied
 from linkctl.probe.report import ProbeReport
 from linkctl.profile import HostSpec
+from linkctl.records import ArpPart
 
 
 def check_peer(report: ProbeReport, host: HostSpec, peer: HostSpec, timeout_s: float) -> bool:
@@ -21,7 +22,7 @@ def check_peer(report: ProbeReport, host: HostSpec, peer: HostSpec, timeout_s: f
         )
     except PermissionDenied as e:
         # The only stop with exit 2 here: ARP could not even be sent (doctor relies on it).
-        report.arp = {"mac": None, "error": e.message}
+        report.arp = ArpPart(mac=None, error=e.message)
         report.add(
             "peer arp",
             "FAIL",
@@ -32,12 +33,12 @@ def check_peer(report: ProbeReport, host: HostSpec, peer: HostSpec, timeout_s: f
         report.stop("no permission for raw sockets (ARP): run as root or grant CAP_NET_RAW", 2)
         return False
     elapsed = time.perf_counter() - t0
-    report.arp = {
-        "mac": macs[0] if len(macs) == 1 else None,
-        "macs": macs,
-        "pinned": peer.mac,
-        "elapsed_ms": round(elapsed * 1000, 1),
-    }
+    report.arp = ArpPart(
+        mac=macs[0] if len(macs) == 1 else None,
+        macs=macs,
+        pinned=peer.mac,
+        elapsed_ms=round(elapsed * 1000, 1),
+    )
     if not macs:
         report.add(
             "peer arp",

@@ -1,8 +1,9 @@
 """The probe report: checks with verdicts plus every raw figure; JSON, Prometheus, on disk.
 
-The report is built here while the probe runs; what is saved and read back by
-``estimate``, ``serve`` and ``doctor`` is its typed form, ``linkctl.records.ProbeRecord``
-(``to_record``), stored where ``linkctl.records`` says.
+Each probe step builds its typed part (``linkctl.records``: NicPart, ArpPart, MtuPart,
+LatencyPart, ThroughputRun, RpcPart) and sets it here; ``to_record`` puts those same
+parts into the ``ProbeRecord`` that `probe --json` prints and ``estimate``, ``serve`` and
+``doctor`` read back, stored where ``linkctl.records`` says.
 """
 
 from __future__ import annotations
@@ -10,14 +11,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from linkctl.checks import Check
 from linkctl.errors import InputError
 from linkctl.paths import write_atomic
-
-if TYPE_CHECKING:
-    from linkctl.records import ProbeRecord
+from linkctl.records import (
+    ArpPart,
+    LatencyPart,
+    MtuPart,
+    NicPart,
+    ProbeRecord,
+    RpcPart,
+    ThroughputRun,
+)
 
 
 @dataclass
@@ -28,12 +35,12 @@ class ProbeReport:
     peer_address: str
     time: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
     checks: list[Check] = field(default_factory=list)
-    nic: dict[str, Any] = field(default_factory=dict)
-    arp: dict[str, Any] = field(default_factory=dict)
-    mtu: dict[str, Any] = field(default_factory=dict)
-    latency: dict[str, Any] = field(default_factory=dict)
-    throughput: dict[str, Any] = field(default_factory=dict)
-    rpc: dict[str, Any] | None = None
+    nic: NicPart = field(default_factory=NicPart)
+    arp: ArpPart = field(default_factory=ArpPart)
+    mtu: MtuPart = field(default_factory=MtuPart)
+    latency: LatencyPart = field(default_factory=LatencyPart)
+    throughput: dict[str, ThroughputRun] = field(default_factory=dict)  # by run name
+    rpc: RpcPart | None = None
     # Why the probe stopped early (empty when it ran every step) and the exit code
     # that stop implies: 1 a check failed, 2 a step could not run.
     stopped: str = ""
@@ -62,33 +69,30 @@ class ProbeReport:
     def ok(self) -> bool:
         return self.exit_code == 0
 
-    def to_json(self) -> dict[str, Any]:
-        from linkctl.records import SCHEMA_VERSION
-
-        return {
-            "schema_version": SCHEMA_VERSION,
-            "profile": self.profile,
-            "host": self.host,
-            "peer": self.peer,
-            "peer_address": self.peer_address,
-            "time": self.time,
-            "ok": self.ok,
-            "exit_code": self.exit_code,
-            "stopped": self.stopped or None,
-            "elapsed_s": round(self.elapsed_s, 3),
-            "checks": [c.as_dict() for c in self.checks],
-            "nic": self.nic,
-            "arp": self.arp,
-            "mtu": self.mtu,
-            "latency": self.latency,
-            "throughput": self.throughput,
-            "rpc": self.rpc,
-        }
-
     def to_record(self) -> ProbeRecord:
-        from linkctl.records import ProbeRecord
+        """The parts as they are (not copied, not re-validated) in the record."""
+        return ProbeRecord(
+            profile=self.profile,
+            host=self.host,
+            peer=self.peer,
+            peer_address=self.peer_address,
+            time=self.time,
+            ok=self.ok,
+            exit_code=self.exit_code,
+            stopped=self.stopped or None,
+            elapsed_s=round(self.elapsed_s, 3),
+            checks=[c.as_dict() for c in self.checks],
+            nic=self.nic,
+            arp=self.arp,
+            mtu=self.mtu,
+            latency=self.latency,
+            throughput=dict(self.throughput),
+            rpc=self.rpc,
+        )
 
-        return ProbeRecord.model_validate(self.to_json())
+    def to_json(self) -> dict[str, Any]:
+        """What `probe --json` prints: the record, each part with what its step set."""
+        return self.to_record().model_dump(exclude_unset=True)
 
 
 # ---- on disk (linkctl.records owns where and how) ---------------------------------
@@ -151,11 +155,11 @@ def to_prometheus(reports: list[ProbeReport]) -> str:
         for c in r.checks:
             v = {"PASS": 1, "WARN": 1, "FAIL": 0, "SKIP": -1}[c.verdict]
             put("linkctl_probe_check_ok", {**base, "check": c.name, "verdict": c.verdict}, v)
-        put("linkctl_probe_link_speed_mbps", base, r.nic.get("speed_mbps"))
-        put("linkctl_probe_mtu_bytes", base, r.nic.get("mtu"))
-        if "df_ok" in r.mtu:
-            put("linkctl_probe_path_mtu_ok", base, int(bool(r.mtu["df_ok"])))
-        for size, st in (r.latency.get("tcp") or {}).items():
+        put("linkctl_probe_link_speed_mbps", base, r.nic.speed_mbps)
+        put("linkctl_probe_mtu_bytes", base, r.nic.mtu)
+        if r.mtu.df_ok is not None:
+            put("linkctl_probe_path_mtu_ok", base, int(r.mtu.df_ok))
+        for size, st in r.latency.tcp.items():
             for q, key in (
                 ("0", "min_us"),
                 ("0.5", "p50_us"),
@@ -166,25 +170,23 @@ def to_prometheus(reports: list[ProbeReport]) -> str:
                 put(
                     "linkctl_probe_tcp_rtt_microseconds",
                     {**base, "size_bytes": size, "quantile": q},
-                    st.get(key),
+                    getattr(st, key),
                 )
-        icmp = r.latency.get("icmp") or {}
-        for stat in ("min", "avg", "max"):
-            put(
-                "linkctl_probe_icmp_rtt_microseconds",
-                {**base, "stat": stat},
-                icmp.get(f"{stat}_us"),
-            )
+        if r.latency.icmp is not None:
+            for stat in ("min", "avg", "max"):
+                put(
+                    "linkctl_probe_icmp_rtt_microseconds",
+                    {**base, "stat": stat},
+                    getattr(r.latency.icmp, f"{stat}_us"),
+                )
         for t in r.throughput.values():
-            if not isinstance(t, dict) or "gbps" not in t:
-                continue
-            lab = {**base, "direction": t.get("direction"), "streams": t.get("streams")}
-            put("linkctl_probe_throughput_gbps", lab, t.get("gbps"))
-            put("linkctl_probe_retransmits", lab, t.get("retransmits"))
-        for i, d in enumerate((r.rpc or {}).get("devices") or []):
+            lab = {**base, "direction": t.direction, "streams": t.streams}
+            put("linkctl_probe_throughput_gbps", lab, t.gbps)
+            put("linkctl_probe_retransmits", lab, t.retransmits)
+        for i, d in enumerate(r.rpc.devices if r.rpc else []):
             lab = {**base, "device": i}
-            put("linkctl_probe_rpc_device_free_bytes", lab, d.get("free"))
-            put("linkctl_probe_rpc_device_total_bytes", lab, d.get("total"))
+            put("linkctl_probe_rpc_device_free_bytes", lab, d.free)
+            put("linkctl_probe_rpc_device_total_bytes", lab, d.total)
     out = []
     for name, (kind, help_) in _METRICS.items():
         if samples[name]:

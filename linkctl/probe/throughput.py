@@ -15,10 +15,10 @@ import os
 import random
 import time
 from collections.abc import Callable
-from typing import Any
 
 from linkctl.errors import InputError
 from linkctl.probe.responder import IPERF_HINT
+from linkctl.records import ThroughputRun
 from linkctl.runner import Runner
 
 RUNS = (("fwd_p1", False, 1), ("rev_p1", True, 1), ("fwd_p4", False, 4), ("rev_p4", True, 4))
@@ -64,7 +64,7 @@ def run_iperf(
     streams: int,
     reverse: bool,
     timeout_s: float,
-) -> dict[str, Any]:
+) -> ThroughputRun:
     if not runner.which("iperf3"):
         raise InputError("iperf3 is not installed on this host", IPERF_HINT)
     argv = [
@@ -113,15 +113,15 @@ def run_iperf(
     recv, sent = end.get("sum_received") or {}, end.get("sum_sent") or {}
     if "bits_per_second" not in recv:
         raise IperfError("iperf3 JSON lacks end.sum_received: test did not complete")
-    return {
-        "gbps": round(recv["bits_per_second"] / 1e9, 3),
-        "retransmits": sent.get("retransmits"),
-        "direction": "rev" if reverse else "fwd",
-        "streams": streams,
-        "seconds": round(recv.get("seconds") or seconds, 3),
-        "bytes": recv.get("bytes"),
-        "sender_gbps": round(sent.get("bits_per_second", 0) / 1e9, 3),
-    }
+    return ThroughputRun(
+        gbps=round(recv["bits_per_second"] / 1e9, 3),
+        retransmits=sent.get("retransmits"),
+        direction="rev" if reverse else "fwd",
+        streams=streams,
+        seconds=round(recv.get("seconds") or seconds, 3),
+        bytes=recv.get("bytes"),
+        sender_gbps=round(sent.get("bits_per_second", 0) / 1e9, 3),
+    )
 
 
 def measure(
@@ -134,10 +134,10 @@ def measure(
     timeout_s: float,
     on_run: Callable[[str, int], None] | None = None,
     runs: tuple[tuple[str, bool, int], ...] = RUNS,
-) -> dict[str, Any]:
+) -> dict[str, ThroughputRun]:
     """All runs in order; on_run(key, seconds) is called before each (progress display)."""
     seconds = iperf_seconds(duration_s)
-    out: dict[str, Any] = {}
+    out: dict[str, ThroughputRun] = {}
     for key, reverse, streams in runs:
         if on_run:
             on_run(key, seconds)
