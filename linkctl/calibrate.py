@@ -137,7 +137,7 @@ def record(plan: CalibrationPlan, m: Measurements) -> CalibrationRecord:
         "catalog_effective_bandwidth_gbs": plan.catalog_effective_bandwidth_gbs,
         "llama_server": plan.llama_server,
     }
-    if plan.cpu_quota:
+    if plan.cpu_quota and plan.cpu_quota.cpus:
         rec["cpu_quota"] = plan.cpu_quota.model_dump()
     if m.rpc:
         rb = typical_run(m.rpc.runs)

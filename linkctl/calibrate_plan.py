@@ -58,7 +58,7 @@ class Server(BaseModel):
 
 
 class CpuQuota(BaseModel):
-    cpus: float  # the quota as a share of CPUs (0.5: half of one CPU)
+    cpus: float | None  # the quota as a share of CPUs (0.5: half of one CPU); None: no limit
     source: str  # which cgroup file says so
 
 
@@ -73,7 +73,7 @@ class CalibrationPlan(BaseModel):
     rpc: bool
     context: int
     prompt_tokens: int
-    cpu_quota: CpuQuota | None
+    cpu_quota: CpuQuota | None  # None: not readable here (unknown, not unlimited)
     servers: list[Server]  # one llama-server per model, all up at once
     rpc_server: Server | None = None  # --rpc: ggml-rpc-server, then a llama-server using it
     rpc_head: Server | None = None
@@ -131,7 +131,8 @@ def cpu_quota() -> CpuQuota | None:
     """The tightest CPU quota on this process's cgroup or a parent of it (cgroup v2
     ``cpu.max``, v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``; kernel
     Documentation/admin-guide/cgroup-v2.rst and scheduler/sched-bwc.rst), which the
-    servers started here inherit; None without one or without cgroups (macOS)."""
+    servers started here inherit. None when no such file is readable here: unknown,
+    not unlimited (macOS; inside `ip netns exec`, whose own /sys lacks the cgroup tree)."""
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:
@@ -154,7 +155,8 @@ def cpu_quota() -> CpuQuota | None:
                 if d == root:
                     break
                 d = d.parent
-    return min(found, key=lambda q: q.cpus, default=None)
+    limited = [q for q in found if q.cpus is not None]
+    return min(limited, key=lambda q: q.cpus or 0) if limited else next(iter(found), None)
 
 
 def _quota_of(d: Path, v2: bool) -> CpuQuota | None:
@@ -167,9 +169,8 @@ def _quota_of(d: Path, v2: bool) -> CpuQuota | None:
             quota, period = f.read_text().strip(), (d / "cpu.cfs_period_us").read_text().strip()
     except (OSError, ValueError):
         return None
-    if quota in ("max", "-1"):
-        return None
-    return CpuQuota(cpus=int(quota) / int(period), source=f"{f}: {quota} / {period} us")
+    cpus = None if quota in ("max", "-1") else int(quota) / int(period)
+    return CpuQuota(cpus=cpus, source=f"{f}: {quota} / {period} us")
 
 
 def plan(
@@ -291,7 +292,10 @@ def render_plan(p: CalibrationPlan) -> None:
     from linkctl.output import console
 
     threads = p.threads or "llama.cpp's default"
-    quota = f"{p.cpu_quota.cpus:.2f} CPU ({p.cpu_quota.source})" if p.cpu_quota else "none"
+    q = p.cpu_quota
+    quota = "unknown (no cgroup cpu files readable here)"
+    if q:
+        quota = f"{f'{q.cpus:.2f} CPU' if q.cpus else 'none'} ({q.source})"
     lines = [
         f"calibrate {p.host} ({p.device}, {p.device_kind}): {len(p.models)} models, "
         f"{p.runs} timed runs x {p.tokens} tokens each, prompt {p.prompt_tokens} tokens, "

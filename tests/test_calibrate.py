@@ -29,6 +29,27 @@ def test_two_term_solve_recovers_known_terms():
         solve_two_terms([(24, 1e6, 9000.0), (2, 1e8, 10.0)])
 
 
+def test_cpu_quota_reads_cgroup_v2_and_v1_files(tmp_path):
+    """The plan's CPU quota, from files shaped as the kernel writes them."""
+    from linkctl.calibrate_plan import _quota_of
+
+    v2, v1 = tmp_path / "v2", tmp_path / "v1"
+    v2.mkdir()
+    v1.mkdir()
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert _quota_of(v2, True).cpus is None  # read: no limit
+    (v2 / "cpu.max").write_text("50000 100000\n")
+    assert _quota_of(v2, True).cpus == 0.5
+    (v1 / "cpu.cfs_quota_us").write_text("-1\n")
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    assert _quota_of(v1, False).cpus is None
+    (v1 / "cpu.cfs_quota_us").write_text("1000\n")
+    (v1 / "cpu.cfs_period_us").write_text("4000\n")
+    q = _quota_of(v1, False)
+    assert q.cpus == 0.25 and str(v1 / "cpu.cfs_quota_us") in q.source
+    assert _quota_of(tmp_path, True) is None  # no controller files there: unknown
+
+
 def test_calibrate_solves_both_decode_terms_and_estimate_uses_them(make_lab, tmp_path):
     """Real llama-server on the given tiny model and a generated one of another shape;
     per-block cost and bandwidth solved from both; the estimate then predicts the given
