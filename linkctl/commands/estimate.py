@@ -204,7 +204,12 @@ def register(app: typer.Typer) -> None:
             ),
         ] = None,
         dry_run: Annotated[
-            bool, typer.Option("--dry-run", help="Print the commands; run and store nothing.")
+            bool,
+            typer.Option(
+                "--dry-run",
+                help="Print the plan (models, runs, threads, CPU quota, where the result "
+                "goes) and the exact commands; run and store nothing.",
+            ),
         ] = False,
         json_out: JsonOpt = False,
     ) -> None:
@@ -213,6 +218,8 @@ def register(app: typer.Typer) -> None:
         and store them so `linkctl estimate` uses them instead of the catalog.
 
         Example: linkctl calibrate --model /models/llama-8b-q4_k_m.gguf --rpc
+
+        Add --dry-run first to see what it will run and where the result goes.
         """
         from linkctl.calibrate_plan import plan, render_plan
         from linkctl.output import print_json
