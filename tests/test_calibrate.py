@@ -29,6 +29,51 @@ def test_two_term_solve_recovers_known_terms():
         solve_two_terms([(24, 1e6, 9000.0), (2, 1e8, 10.0)])
 
 
+def test_record_from_plan_and_measurements_without_llama(tmp_path):
+    """record() alone: measurements made to follow known terms give those terms back,
+    the median run is the one kept, and --rpc's figures follow from its runs."""
+    from linkctl.calibrate import record
+    from linkctl.calibrate_measure import Measurements, RpcRuns
+    from linkctl.calibrate_plan import CalibrationPlan, PlannedModel
+    from linkctl.estimate import decode_features
+    from linkctl.gguf_info import read_model
+    from linkctl.llama_client import Timing
+    from linkctl.tinymodel import TinySpec, write_tiny_llama
+
+    specs = [TinySpec(n_layer=6, n_embd=64, n_ff=128), TinySpec(n_layer=1, n_embd=256, n_ff=512)]
+    paths = [write_tiny_llama(tmp_path / f"m{i}.gguf", sp)["path"] for i, sp in enumerate(specs)]
+    layer_us, bw = 40.0, 8.0
+
+    def timing(path: str, slower: float = 1.0) -> Timing:
+        m = read_model(path)
+        f = decode_features(m, list(range(m.block_count)), True, 64 + 16 / 2)
+        t_us = (m.block_count * layer_us + (f[2] + f[3] + f[4]) / (bw * 1e3)) * slower
+        return Timing(1e6 / t_us, 16, 1000.0, 64, 16 * t_us / 1e3, 64.0)
+
+    plan = CalibrationPlan(
+        host="dgx", device="cpu", device_kind="cpu",
+        models=[PlannedModel(path=paths[0]), PlannedModel(path=paths[1], spec={"n_layer": 1})],
+        tokens=16, runs=3, threads=1, rpc=True, context=512, prompt_tokens=64,
+        cpu_quota=None, servers=[], llama_server="llama-server", workdir=str(tmp_path),
+        saves_to=str(tmp_path / "calibration.json"), catalog_layer_us=0.0,
+        catalog_effective_bandwidth_gbs=68.0,
+    )  # fmt: skip
+    # Three runs each: one fast outlier, the typical one, one slow: the median is kept.
+    runs = [[timing(p, 0.5), timing(p), timing(p, 3.0)] for p in paths]
+    rpc_runs = [timing(paths[0], 2.0)] * 3
+    rec = record(plan, Measurements(runs, RpcRuns(loopback_rtt_us=20.0, runs=rpc_runs)))
+    assert rec.layer_us == pytest.approx(layer_us, rel=1e-6)
+    assert rec.effective_bandwidth_gbs == pytest.approx(bw, rel=1e-6)
+    d = rec.model_dump()
+    assert [m["generated"] for m in d["models"]] == [False, True]
+    assert d["decode_tok_s"] == runs[0][1].predicted_per_second
+    assert len(d["runs"]) == 3 and d["runs"][0]["predicted_per_second"] > 0
+    local_us = 1e6 / runs[0][1].predicted_per_second
+    assert rec.rpc_overhead_us == pytest.approx(2 * local_us - local_us - 20.0)
+    assert d["rpc"]["loopback_rtt_us"] == 20.0 and "cpu_quota" not in d
+    assert not (tmp_path / "calibration.json").exists()  # record builds; it does not save
+
+
 def test_cpu_quota_reads_cgroup_v2_and_v1_files(tmp_path):
     """The plan's CPU quota, from files shaped as the kernel writes them."""
     from linkctl.calibrate_plan import _quota_of
