@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from linkctl.paths import state_dir
+from linkctl.paths import state_dir, write_atomic
 from linkctl.profile import HostSpec, Profile
 
 
@@ -246,13 +246,12 @@ def run_decode(
 ) -> int:
     """The head: supervised decode llama-server on 127.0.0.1, and route in front of it
     once both servers answer and match (a mismatch stops serve with exit 2)."""
-    import json
     import threading
 
     from linkctl import kvxfer
     from linkctl import route as rt
     from linkctl.errors import LinkctlError
-    from linkctl.records import status_path
+    from linkctl.records import RouteStatus, dump, status_path
     from linkctl.serve import http_ok
     from linkctl.supervise import ChildSpec, Supervisor
 
@@ -287,16 +286,12 @@ def run_decode(
             failed.append(LinkctlError(str(e)))
             sup.request_stop()
             return
-        route_status.write_text(
-            json.dumps(
-                {
-                    "state": "ready",
-                    "listen": f"{cfg.listen_host}:{cfg.listen_port}",
-                    "threshold_tokens": cfg.threshold_tokens,
-                    "threshold_source": cfg.threshold_source,
-                }
-            )
+        st = RouteStatus(
+            listen=f"{cfg.listen_host}:{cfg.listen_port}",
+            threshold_tokens=cfg.threshold_tokens,
+            threshold_source=cfg.threshold_source,
         )
+        write_atomic(route_status, dump(st, exclude_unset=False))
         say(
             f"listening on {cfg.listen_host}:{cfg.listen_port}; disaggregating prompts of "
             f"{cfg.threshold_tokens}+ tokens ({cfg.threshold_source})"

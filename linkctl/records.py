@@ -6,7 +6,8 @@ Three records, each a pydantic model with a ``schema_version``:
   and, for the last peer probed, state_dir()/probe/latest.json;
 - ``CalibrationFile`` (one ``CalibrationRecord`` per host) written by ``linkctl calibrate``:
   state_dir()/calibration.json;
-- ``ServeStatus`` written by the supervisor of ``linkctl serve``: state_dir()/serve/<role>.json.
+- ``ServeStatus`` written by the supervisor of ``linkctl serve``: state_dir()/serve/<role>.json
+  (``RouteStatus`` for route, which has no supervisor of its own: serve/route.json).
 
 Readers (estimate, serve, doctor, the demo) load them here and use attributes; a file
 that is not JSON, has another ``schema_version`` or the wrong shape is an InputError
@@ -410,6 +411,20 @@ def status_path(role: str, root: Path | None = None) -> Path:
 
 def load_status(path: Path) -> ServeStatus:
     return load(ServeStatus, path, "serve status", "restart `linkctl serve`")
+
+
+class RouteStatus(Record):
+    """What disaggregated `linkctl serve` on the decode host writes once route listens
+    (status_path("route")); removed when it starts again."""
+
+    state: str = "ready"
+    listen: str
+    threshold_tokens: int
+    threshold_source: str
+
+
+def load_route_status(path: Path) -> RouteStatus:
+    return load(RouteStatus, path, "route status", "restart `linkctl serve`")
 
 
 # ---- reading and writing -----------------------------------------------------------

@@ -17,6 +17,7 @@ from linkctl.records import (
     MtuPart,
     NicPart,
     ProbeRecord,
+    RouteStatus,
     ServeStatus,
     ThroughputRun,
     calibration_path,
@@ -25,6 +26,7 @@ from linkctl.records import (
     latest_probe_path,
     load_calibrations,
     load_probe,
+    load_route_status,
     load_status,
     probe_path,
     save_calibration,
@@ -203,3 +205,15 @@ def test_calibrate_refuses_before_measuring_and_writes_nothing(state, tmp_path_f
         assert "move it aside" in lines[0]
         assert _tree(state) == before
         assert sorted(x.name for x in state.iterdir()) == ["calibration.json"]
+
+
+def test_route_status_round_trip(state):
+    p = status_path("route")
+    p.parent.mkdir(parents=True, exist_ok=True)
+    st = RouteStatus(listen="127.0.0.1:9999", threshold_tokens=512, threshold_source="default")
+    p.write_text(dump(st, exclude_unset=False))
+    assert json.loads(p.read_text())["state"] == "ready"
+    assert load_route_status(p) == st
+    p.write_text('{"state": "ready"}')  # no listen address, no threshold
+    with pytest.raises(InputError, match="not a linkctl route status"):
+        load_route_status(p)
