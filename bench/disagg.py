@@ -78,6 +78,7 @@ def main() -> int:
     from linkctl.estimate_run import participants
     from linkctl.gguf_info import read_model
     from linkctl.profile import load_profile, parse_profile
+    from linkctl.records import status_path
     from linkctl.tinymodel import TinySpec, write_tiny_llama
 
     name, tmp, _state, _bins = start("disagg", "network namespaces")
@@ -103,7 +104,7 @@ def main() -> int:
         serve = ["linkctl", "serve", "--profile", str(pfile)]
         dgx = Proc(name, "dgx", serve, tmp / "dgx.log")
         procs.append(dgx)
-        prefill = lab.host_state_dir("dgx") / "serve" / "prefill.json"
+        prefill = status_path("prefill", root=lab.host_state_dir("dgx"))
         wait_status(prefill, dgx, 60, "kv-agent", state="waiting")
         sync = json.loads(
             in_ns(name, "mac", "linkctl", "model", "sync", "--profile", str(pfile), "--json")
@@ -111,7 +112,8 @@ def main() -> int:
         wait_status(prefill, dgx, 120, "prefill llama-server")
         mac = Proc(name, "mac", [*serve, "--skip-probe"], tmp / "mac.log")
         procs.append(mac)
-        wait_status(lab.host_state_dir("mac") / "serve" / "route.json", mac, 180, "route")
+        route = status_path("route", root=lab.host_state_dir("mac"))
+        wait_status(route, mac, 180, "route")
 
         client(
             name, {"port": DECODE, "path": "/completion", "body": body("warm up", 4, stream=False)}

@@ -182,13 +182,19 @@ def wait_port(lab: str, host: str, addr: str, port: int, timeout: float = 30) ->
 
 
 def wait_status(path: Path, proc: Proc, timeout: float, what: str, state: str = "ready") -> dict:
-    """Until `linkctl serve`'s status file says ``state`` (or the process ends)."""
+    """Until `linkctl serve`'s status file (linkctl.records: records.status_path(role,
+    root=host state dir); route's is a RouteStatus, the rest ServeStatus) says ``state``
+    (or the process ends); the status as a dict."""
+    from linkctl.errors import InputError
+    from linkctl.records import load_route_status, load_status
+
+    load = load_route_status if path.name == "route.json" else load_status
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        with contextlib.suppress(OSError, ValueError):
-            st = json.loads(path.read_text())
-            if st.get("state") == state:
-                return st
+        with contextlib.suppress(InputError):  # not there yet, or caught mid-write
+            st = load(path)
+            if st.state == state:
+                return st.model_dump()
         if proc.p.poll() is not None:
             break
         time.sleep(0.2)
