@@ -253,8 +253,11 @@ def plan(
             port=port,
             log=str(workdir / "rpc-server.log"),
         )
-        # All layers on the RPC device: a GPU build would otherwise keep them local.
-        device = ["--device", f"RPC0[127.0.0.1:{port}]"] if dev.kind == "gpu" else []
+        # All layers on the RPC device: a GPU build would otherwise keep them local. The
+        # device is named RPC0 (`llama-server --rpc H:P --list-devices` at b11434:
+        # "RPC0: 127.0.0.1:50999"); "RPC0[H:P]" is its buffer's name, which --device
+        # refuses ("invalid device").
+        device = ["--device", "RPC0"] if dev.kind == "gpu" else []
         rpc_head = server(
             models[0].path,
             str(workdir / "llama-server-rpc.log"),

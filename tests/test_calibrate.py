@@ -190,6 +190,28 @@ def test_calibrate_solves_both_decode_terms_and_estimate_uses_them(make_lab, tmp
     assert dgx["bandwidth_gbs"] == pytest.approx(rec["effective_bandwidth_gbs"])
 
 
+def test_calibrate_rpc_on_a_gpu_host(make_lab, tmp_path):
+    """dgx as a GB10 (kind gpu, as in the shipped profile): `--rpc` puts every layer on the
+    RPC device with --device, which this llama.cpp build must accept (a CPU build runs
+    the same argv; the tiny model keeps it to the small generated pair)."""
+    need_llama()
+    from linkctl.tinymodel import TinySpec, write_tiny_llama
+
+    lab = make_lab("dgx-mac")
+    data = tomllib.loads(Path(lab.profile_path).read_text())
+    next(h for h in data["hosts"] if h["name"] == "dgx")["device"] = "gb10"
+    prof = tmp_path / "gpu.toml"
+    prof.write_text(tomli_w.dumps(data))
+    model = write_tiny_llama(tmp_path / "tiny.gguf", TinySpec(n_layer=2, n_embd=256, n_ff=512))
+    args = ["--profile", str(prof), "--model", model["path"], "--tokens", "16", "--runs", "1"]
+    args += ["-t", "1", "--rpc"]
+    r = lab.run("dgx", "calibrate", *args, "--json", timeout=900)
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(r.stdout)
+    assert rec["device"] == "gb10" and rec["rpc"]["decode_tok_s"] > 0
+    assert rec["rpc_effective_bandwidth_gbs"] > 0
+
+
 def test_calibrate_refuses_header_only_model(make_lab, tmp_path):
     lab = make_lab("dgx-mac")
     p = write_header_only(tmp_path / "h.gguf", LLAMA_7B)
