@@ -12,28 +12,35 @@ Needs root (namespaces) and the llama.cpp binaries (scripts/build-llama.sh).
    the rpc-server idles between tokens and a CFS quota then binds less (measured
    decode *rose* with delay, 27.0 -> 30.5 tok/s from 0 to 2 ms at F = 0.6), so
    it is off by default.
-4. `linkctl calibrate --rpc` inside the dgx namespace: this host's real decode
-   bandwidth and the fixed per-token cost of one RPC boundary (loopback).
-5. ggml-rpc-server on dgx 198.18.100.2:50052; the delay proxy (python -m
+4. ggml-rpc-server on dgx 198.18.100.2:50052; the delay proxy (python -m
    linkctl.delayproxy) in the dgx namespace on :50053 in front of it, delaying
    each direction by D ms; llama-server in the mac namespace with
    --rpc 198.18.100.2:50053 (CPU-only build: every layer is on the rpc device,
    the head keeps the input embeddings).
-6. --rounds interleaved rounds, each over D in 0, 0.25, 1, 2 ms (so drift in the
-   machine's load lands on every point alike):
-   - the link round trip through the proxy, from mac: p50 of 200
-     GET_DEVICE_MEMORY exchanges (before llama-server connects: rpc-server
-     serves one client at a time);
-   - --runs /completion runs of N tokens (llama-server's
-     timings.predicted_per_second); how late the proxy released its chunks;
-   - first round: round trips per token from the proxy's counters across two
-     requests of 16 and 16+N tokens, difference / N (prefill cancels out).
-7. Per delay: measured = the median of every run, with min-max; predicted =
-   `linkctl estimate --json` in the mac namespace with the median RTT, the link
-   throughput (iperf3 between the namespaces), the dgx calibration and --depth =
-   the runs' mean context. Target: every point within +-15%.
+5. --rounds interleaved rounds, each:
+   - `linkctl calibrate --rpc` inside the dgx namespace: this host's decode terms
+     and its speed as an RPC device (loopback), as they are in this round. On this
+     shared 2-core machine the same command gives 40-80 tok/s minutes apart (other
+     jobs' load), and one calibration before all rounds was the bench's largest
+     error (a calibration 4.4 ms/token slower than the split measured after it);
+   - then every D in 0, 0.25, 1, 2 ms:
+     - the link round trip through the proxy, from mac: p50 of 200
+       GET_DEVICE_MEMORY exchanges (before llama-server connects: rpc-server
+       serves one client at a time);
+     - --runs /completion runs of N tokens (llama-server's
+       timings.predicted_per_second); how late the proxy released its chunks;
+     - first round: round trips per token from the proxy's counters across two
+       requests of 16 and 16+N tokens, difference / N (prefill cancels out).
+6. Per round and delay: predicted = `linkctl estimate --json` in the mac
+   namespace with that round's RTT, the link throughput (iperf3 between the
+   namespaces), that round's calibration and --depth = the runs' mean context;
+   error = predicted vs that round's median run. Per delay: the median error over
+   the rounds (the target figure, with min..max), the measured median of every
+   run with min-max, and the error had every round used round 1's calibration
+   (what one calibration, then hours of serving, would see here). Target: every
+   point within +-15%.
 
-    sudo .venv/bin/python bench/estimate_accuracy.py [--tokens 64] [--rounds 2] [--json]
+    sudo .venv/bin/python bench/estimate_accuracy.py [--tokens 64] [--rounds 3] [--json]
 """
 
 from __future__ import annotations
@@ -76,7 +83,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=5, help="timed requests per delay per round")
-    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds over the delays")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the delays")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cpu", type=float, default=0.0, help="dgx's CPU quota (of 1 CPU); 0: none")
     ap.add_argument("--json", action="store_true")
@@ -113,13 +120,19 @@ def main() -> int:
         mpath = model["path"]
         t = str(a.threads)
 
-        # Calibrate on the host that will run the layers (dgx), alone and via loopback RPC.
-        cal = json.loads(
-            in_ns(name, "dgx", PY, "-m", "linkctl", "calibrate", "--profile", str(cpu_profile),
-                  "--model", mpath, "--rpc", "--threads", t, "--tokens", str(a.tokens),
-                  "--runs", str(a.runs), "--json", timeout=1200, limit=limit)
-        )  # fmt: skip
-        cal_file = Path(cal["saved_to"])
+        def calibrate(rnd: int) -> dict:
+            """`linkctl calibrate --rpc` on the host that will run the layers (dgx), alone
+            and via loopback RPC; its record copied aside for this round's predictions."""
+            c = json.loads(
+                in_ns(name, "dgx", PY, "-m", "linkctl", "calibrate", "--profile",
+                      str(cpu_profile), "--model", mpath, "--rpc", "--threads", t,
+                      "--tokens", str(a.tokens), "--runs", str(a.runs), "--json",
+                      timeout=1200, limit=limit)
+            )  # fmt: skip
+            f = work / f"calibration-{rnd}.json"
+            f.write_bytes(Path(c["saved_to"]).read_bytes())
+            c["file"] = str(f)
+            return c
 
         # Link throughput, as `linkctl probe` would measure it (iperf3 between the ends).
         srv = Proc(name, "dgx", ["iperf3", "-s", "-B", dgx_ip], work / "iperf3-s.log")
@@ -142,9 +155,12 @@ def main() -> int:
         per: dict[float, dict] = {
             d: {"rtts": [], "runs": [], "late": [], "late_rtt": []} for d in DELAYS_MS
         }
-        # Interleaved: every round visits every delay, so slow drift in the machine's
-        # load (other jobs on the 2 cores) lands on every point alike.
+        cals: list[dict] = []
+        # Interleaved: every round calibrates, then visits every delay, so slow drift in
+        # the machine's load (other jobs on the 2 cores) lands on the calibration and on
+        # every point alike; each round's points are predicted from its own calibration.
         for rnd in range(a.rounds):
+            cals.append(calibrate(rnd))
             for delay in DELAYS_MS:
                 d = per[delay]
                 stats = work / f"proxy-{delay}-{rnd}.json"
@@ -208,57 +224,77 @@ def main() -> int:
                 b1 = proxy_stats(stats)
                 d["late"].append(late_per_chunk(b0, b1))
                 loads.append(os.getloadavg()[0])
-                d["runs"] += [r["predicted_per_second"] for r in timed]
+                d["runs"].append([r["predicted_per_second"] for r in timed])
                 d["prompt_n"] = timed[0]["prompt_n"]
                 head.stop()
                 procs.remove(head)
                 proxy.stop()
                 procs.remove(proxy)
 
-        def predict(d: dict, rtt: float) -> dict:
-            return json.loads(
+        def predict(d: dict, rtt: float, cal_file: str) -> float:
+            est = json.loads(
                 in_ns(name, "mac", "linkctl", "estimate", "--profile", str(cpu_profile),
                       "--model", mpath, "--rtt-us", f"{rtt:.1f}",
-                      "--throughput-gbps", f"{thr_gbps:.3f}", "--calibration", str(cal_file),
+                      "--throughput-gbps", f"{thr_gbps:.3f}", "--calibration", cal_file,
                       "--ctx", "1024", "--prompt", str(int(d["prompt_n"])),
                       "--depth", str(int(d["prompt_n"] + a.tokens / 2)), "--json")
             )  # fmt: skip
+            d["terms_us"] = est["split"]["terms_us"]
+            return est["split"]["decode_tok_s"]
 
         for delay in DELAYS_MS:
             d = per[delay]
-            rtt = statistics.median(d["rtts"])
-            # The link as decode saw it: the proxy's chunks left later while llama.cpp
-            # computed on the same 2 cores than while the RTT was timed. One round trip is
-            # a chunk each way, so 2 x the difference in mean lateness; the link's measured
-            # RTT is the model's input, as `linkctl probe`'s is for a real link.
-            extra = 2 * (statistics.median(d["late"]) - statistics.median(d["late_rtt"]))
-            rtt_run = max(0.0, rtt + extra)
-            est = predict(d, rtt_run)
-            est_probe = predict(d, rtt)
-            predicted = est["split"]["decode_tok_s"]
-            med = statistics.median(d["runs"])
+            rounds = []
+            for rnd in range(a.rounds):
+                # The link as decode saw it: the proxy's chunks left later while llama.cpp
+                # computed on the same 2 cores than while the RTT was timed. One round trip
+                # is a chunk each way, so 2 x the difference in mean lateness; the link's
+                # measured RTT is the model's input, as `linkctl probe`'s is for a real link.
+                extra = 2 * (d["late"][rnd] - d["late_rtt"][rnd])
+                rtt_run = max(0.0, d["rtts"][rnd] + extra)
+                med = statistics.median(d["runs"][rnd])
+                pred = predict(d, rtt_run, cals[rnd]["file"])
+                # The same round predicted from round 0's calibration only, as a user who
+                # calibrated once would: how much the machine drifted between rounds.
+                once = predict(d, rtt_run, cals[0]["file"]) if rnd else pred
+                rounds.append(
+                    {
+                        "rtt_us": d["rtts"][rnd],
+                        "rtt_in_run_us": rtt_run,
+                        "proxy_late_us_per_chunk": d["late"][rnd],
+                        "proxy_late_us_per_chunk_rtt": d["late_rtt"][rnd],
+                        "measured_runs": d["runs"][rnd],
+                        "measured_median_tok_s": med,
+                        "predicted_tok_s": pred,
+                        "error_pct": (pred - med) / med * 100,
+                        "predicted_first_calibration_tok_s": once,
+                        "error_first_calibration_pct": (once - med) / med * 100,
+                    }
+                )
+            runs = [x for r in d["runs"] for x in r]
+            errs = [r["error_pct"] for r in rounds]
+            errs_once = [r["error_first_calibration_pct"] for r in rounds]
             rows.append(
                 {
                     "delay_ms": delay,
-                    "rtt_us": rtt,
-                    "rtt_in_run_us": rtt_run,
-                    "predicted_with_idle_rtt_tok_s": est_probe["split"]["decode_tok_s"],
-                    "proxy_late_us_per_chunk_rtt": d["late_rtt"],
+                    "rtt_us": statistics.median(d["rtts"]),
+                    "rtt_in_run_us": statistics.median(r["rtt_in_run_us"] for r in rounds),
                     "proxy_scheduling": d.get("sched"),
-                    "rtt_us_rounds": d["rtts"],
-                    "measured_median_tok_s": med,
-                    "measured_min_tok_s": min(d["runs"]),
-                    "measured_max_tok_s": max(d["runs"]),
-                    "measured_best_tok_s": max(d["runs"]),
-                    "measured_runs": d["runs"],
-                    "predicted_tok_s": predicted,
-                    "error_pct": (predicted - med) / med * 100,
-                    "error_vs_best_pct": (predicted - max(d["runs"])) / max(d["runs"]) * 100,
-                    "proxy_late_us_per_chunk": d["late"],
+                    "measured_median_tok_s": statistics.median(runs),
+                    "measured_min_tok_s": min(runs),
+                    "measured_max_tok_s": max(runs),
+                    "predicted_tok_s": statistics.median(r["predicted_tok_s"] for r in rounds),
+                    # The target figure: each round's prediction against that round's
+                    # median (paired, so drift between rounds cancels), median over rounds.
+                    "error_pct": statistics.median(errs),
+                    "error_min_pct": min(errs),
+                    "error_max_pct": max(errs),
+                    "error_first_calibration_pct": statistics.median(errs_once),
+                    "rounds": rounds,
                     "round_trips_per_token": d["round_trips_per_token"],
                     "rpc_commands_per_token": d["rpc_commands_per_token"],
                     "wire_bytes_per_token": d["wire_bytes_per_token"],
-                    "predicted_terms_us": est["split"]["terms_us"],
+                    "predicted_terms_us": d["terms_us"],
                     "timings_16_plus_n": d["timings_16_plus_n"],
                 }
             )
@@ -282,10 +318,13 @@ def main() -> int:
         "cpu_limit": limit.kind if limit else None,
         "rounds": a.rounds,
         "link_throughput_gbps": thr_gbps,
-        "calibration": {
-            k: cal.get(k)
-            for k in ("decode_tok_s", "effective_bandwidth_gbs", "rpc_overhead_us", "rpc")
-        },
+        "calibrations": [
+            {
+                k: c.get(k)
+                for k in ("decode_tok_s", "effective_bandwidth_gbs", "rpc_overhead_us", "rpc")
+            }
+            for c in cals
+        ],
         "rows": rows,
         "target_pct": TARGET_PCT,
         "all_within_target": ok,
@@ -298,26 +337,35 @@ def main() -> int:
         print(json.dumps(result, indent=2))
     else:
         print(f"all figures: {work / 'result.json'}")
-        c = result["calibration"]
+        cs = result["calibrations"]
+        local = ", ".join(f"{c['decode_tok_s']:.1f}" for c in cs)
+        via = ", ".join(f"{c['rpc']['decode_tok_s']:.1f}" for c in cs)
         print(
             f"tiny model {model['bytes'] / 1e6:.0f} MB F32, {a.threads} thread(s); calibrated "
-            f"local {c['decode_tok_s']:.1f} tok/s, RPC overhead {c['rpc_overhead_us']:.0f} "
-            f"µs/token; link {thr_gbps:.1f} Gbit/s; {a.rounds} interleaved rounds x {a.runs} runs; "
+            f"per round: local {local} tok/s, via loopback RPC {via} tok/s; link "
+            f"{thr_gbps:.1f} Gbit/s; {a.rounds} interleaved rounds x {a.runs} runs; "
             + (f"dgx CPU quota {a.cpu:.0%} of one CPU" if a.cpu else "no CPU quota")
         )
         print(
             f"{'one-way delay':>14}{'RTT':>9}{'median':>9}{'min-max':>14}{'predicted':>11}"
-            f"{'error':>8}{'RT/token':>10}{'proxy late':>12}{'in-run RTT':>12}"
+            f"{'error':>8}{'min..max':>16}{'1st cal':>9}{'RT/token':>10}{'proxy late':>12}"
         )
         for r in rows:
-            late = statistics.median(r["proxy_late_us_per_chunk"])
+            late = statistics.median(x["proxy_late_us_per_chunk"] for x in r["rounds"])
             print(
                 f"{r['delay_ms']:>11.2f} ms{r['rtt_us']:>6.0f} µs"
                 f"{r['measured_median_tok_s']:>9.1f}"
                 f"{r['measured_min_tok_s']:>7.1f}-{r['measured_max_tok_s']:<6.1f}"
                 f"{r['predicted_tok_s']:>11.1f}{r['error_pct']:>+7.1f}%"
-                f"{r['round_trips_per_token']:>10.2f}{late:>9.0f} µs{r['rtt_in_run_us']:>9.0f} µs"
+                f"{r['error_min_pct']:>+8.1f}..{r['error_max_pct']:<+6.1f}"
+                f"{r['error_first_calibration_pct']:>+8.1f}%"
+                f"{r['round_trips_per_token']:>10.2f}{late:>9.0f} µs"
             )
+        print(
+            "error: each round's prediction (from that round's calibration) against that "
+            "round's median, median over rounds (min..max); 1st cal: every round predicted "
+            "from round 1's calibration"
+        )
         print(
             f"load average (1 min) before {load_before[0]:.2f}, during "
             f"{min(loads, default=0):.2f}-{max(loads, default=0):.2f}; proxy "
