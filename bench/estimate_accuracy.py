@@ -372,7 +372,10 @@ def main() -> int:
             f"{rows[0]['proxy_scheduling'] if rows else '?'}"
         )
         if busy:
-            print(f"INVALID run: load average above {BUSY_LOAD} (other jobs on the machine)")
+            print(
+                f"INVALID run: 1-min load average above {BUSY_LOAD} during or above "
+                f"{BUSY_LOAD - 1.5} before (other jobs on the machine)"
+            )
         print(f"target +-{TARGET_PCT:.0f}% (median): {'met' if ok else 'NOT met'} at every point")
     return 0 if ok and not busy else 1
 
