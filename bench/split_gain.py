@@ -6,37 +6,49 @@ Case 1, unequal rpc hosts:
 1. A fresh lab of the dgx2-mac-switch profile (dgx1 and dgx2 run rpc-server, mac
    is the head; the lab's llama.cpp is a CPU build, so the head holds no layers and
    the split is between the two rpc hosts). `linkctl setup` on every host.
-2. dgx2 is made slower than dgx1: its processes run in a child cgroup with a CPU
-   quota (--slow-cpu, default 35% of one CPU; --fast-cpu for dgx1, default none;
-   1 ms per period of 1 ms / share; cgroup v2 cpu.max, or the v1 CFS quota where
-   cpu is bound to v1, as on this machine), created here and removed at the end;
-   or by threads (--fast-threads for dgx1's rpc-server, --threads for dgx2's).
-   Neither makes a fixed-speed device on a shared 2-core machine: a quota'd host
-   that idles while the other computes is throttled less than when it does all the
-   work (its calibration), and two threads on two busy cores are slower than one
-   (README, "Split gain in the lab").
-3. A tiny random-weight llama GGUF (linkctl.tinymodel; F32, 8 layers x 512).
+2. Each lab host in a CPU group of its own (labkit.CpuLimit, created here and
+   removed at the end; cgroup v2 cpu.max/cpu.weight, or the v1 CFS quota and
+   cpu.shares where cpu is bound to v1, as on this machine):
+   - dgx2 is made slower than dgx1 by a CPU quota (--slow-cpu, default 35% of one
+     CPU; --fast-cpu for dgx1, default none; 1 ms per period of 1 ms / share); or by
+     threads (--fast-threads for dgx1's rpc-server, --threads for dgx2's);
+   - dgx1 on CPU 0 and dgx2 on CPU 1 (scheduler affinity; --no-pin: float), so the
+     two rpc hosts are two machines; the head floats;
+   - every lab host weighs --weight (default 8) times a default group against the
+     other jobs on the machine, so their load moves the lab hosts' speed less
+     between calibration and measurement (with --weight 1 --no-pin, calibrated at
+     load 3.1 and measured at 1.1, both predictions came out 18-22% low).
+   A quota is not a fixed-speed device: a quota'd host that idles while the other
+   computes starts each burst with a fresh quota, which saves up to about a period
+   per burst (2.9 ms here). The default model is wide enough (8 x 768, 228 MB)
+   that dgx2's burst is ~10 ms of CPU per token and that saving small against it
+   (8 x 512, 110 MB: llama's split measured 5-15% faster than predicted in three
+   runs, and the fixed per-token costs and the other jobs weigh more; README).
+3. A tiny random-weight llama GGUF (linkctl.tinymodel; F32, --layers x --embd).
 4. The real probe from mac to each rpc host (`linkctl responder` there), so the
    head has the saved probe reports `serve` estimates from.
-5. `linkctl calibrate --rpc` on dgx1 and dgx2, each with its threads (and cgroup).
-6. `linkctl serve` on dgx1 and dgx2 (rpc-server, each with its threads and cgroup).
-7. On mac, alternately (interleaved, --rounds times each): `linkctl serve --split
+5. `linkctl calibrate --rpc` on dgx1 and dgx2, each with its threads; its
+   rpc-server in the host's group, its llama-server (the head's part) in the head's.
+6. `linkctl serve` on dgx1 and dgx2 (rpc-server, each in its group).
+7. On mac, --rounds rounds in ABBA order (llama, recommended; recommended, llama;
+   ...), so drift in the other jobs' load weighs on both: `linkctl serve --split
    llama` (llama.cpp's split: by the free memory each rpc-server reports, about
    half each here) and `linkctl serve --split recommended` (the estimate's fastest
    split), each with both calibrations. For each: the layers llama.cpp really
-   placed on each device (the model buffer per device in llama-server's log), --runs
-   /completion requests of --tokens tokens (llama-server's timings), and the
-   prediction: `linkctl estimate` for that placement at the run's context, with
-   the same probe report and calibrations.
-8. Table: per split, the placement, measured (median of every run, spread
-   min-max, fastest) and predicted, error of the median; target: recommended
-   faster than llama's, each within +-15% of its prediction.
+   placed on each device (the model buffer per device in llama-server's log), one
+   warm-up request, then --runs /completion requests of --tokens tokens
+   (llama-server's timings), and the prediction: `linkctl estimate` for that
+   placement at the run's context, with the same probe report and calibrations.
+8. Table: per split, the placement, measured (median of every run, interquartile
+   range, min-max, each round's median) and predicted, error of the median;
+   target: recommended faster than llama's, each within +-15% of its prediction.
+   A run whose 1-min load average passed 3.5 is reported but marked invalid.
 
 Case 2, the model does not fit the head alone: the same lab, a profile whose
 head has too little memory for the model: `linkctl estimate` says "split
 needed" and `linkctl serve` (recommended) completes a request.
 
-    sudo .venv/bin/python bench/split_gain.py [--tokens 64] [--runs 5] [--rounds 2] [--json]
+    sudo .venv/bin/python bench/split_gain.py [--tokens 64] [--runs 3] [--rounds 6] [--json]
 """
 
 from __future__ import annotations
