@@ -278,9 +278,11 @@ class CpuLimit:
         """Until ``stop``: every process named ``exe`` below ``root_pid`` joins this group
         (polled every 10 ms; the pids moved go to ``moved``). For `calibrate --rpc`: only
         its rpc-server is quota'd, as under `serve`, while the llama-server that drives it
-        (the head's work: sampling, HTTP) runs outside, as the real head does."""
+        (the head's work: sampling, HTTP) runs outside, as the real head does. After the
+        first move, polled every 1 s: one scan of /proc costs ~2 ms of CPU, so every
+        10 ms it took ~15 % of a core from the calibration it watches."""
         procs = self.path / "cgroup.procs"
-        while not stop.wait(0.01):
+        while not stop.wait(1.0 if moved else 0.01):
             kids: dict[int, list[int]] = {}
             names: dict[int, str] = {}
             for d in Path("/proc").iterdir():
