@@ -14,7 +14,7 @@ from pathlib import Path
 
 from linkctl.calibrate_plan import CalibrationPlan
 from linkctl.llama_client import Timing, prompt_tokens, rpc_rtt_us, timed_completions, wait_health
-from linkctl.runner import Runner, default_runner
+from linkctl.runner import Runner, default_runner, stop_process
 
 
 @dataclass(frozen=True)
@@ -46,13 +46,7 @@ class _Servers:
 
     def __exit__(self, *exc):
         for p in reversed(self.procs):
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait(5)
+            stop_process(p, 10, kill_wait=5)
 
 
 def measure(

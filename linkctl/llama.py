@@ -39,7 +39,7 @@ from typing import Any
 
 from linkctl.errors import InputError
 from linkctl.paths import state_dir
-from linkctl.runner import Runner, default_runner
+from linkctl.runner import Runner, default_runner, stop_process
 
 RPC_NAMES = ("ggml-rpc-server", "rpc-server")
 SERVER_NAMES = ("llama-server",)
@@ -271,12 +271,7 @@ def rpc_protocol(
                     raise
                 time.sleep(0.1)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, 5)
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(json.dumps({"path": b.path, "version": list(version), "how": "HELLO"}))

@@ -7,9 +7,10 @@ recorded outputs (macOS) while Linux tests run the real thing.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,6 +118,33 @@ class Runner:
             )
         except FileNotFoundError:
             raise CommandNotFound(argv[0], f"install {argv[0]} or put it on PATH") from None
+
+
+def stop_process(
+    proc: subprocess.Popen,
+    timeout: float,
+    *,
+    kill_wait: float | None = None,
+    say: Callable[[str], None] | None = None,
+) -> int | None:
+    """Stop a child ``spawn`` started: SIGTERM, wait up to ``timeout`` s, then SIGKILL
+    and wait ``kill_wait`` s (None: until it is reaped). Returns its exit code.
+
+    The pid only, never its process group: a child that forwards SIGTERM (linkctl's
+    supervisors) stops its own children. ``say`` hears when SIGKILL was needed.
+    A child that outlives SIGKILL's ``kill_wait`` raises subprocess.TimeoutExpired.
+    """
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            if say:
+                say(f"pid {proc.pid} ignored SIGTERM for {timeout:g} s; SIGKILL")
+            proc.kill()
+            proc.wait(kill_wait)
+    return proc.returncode
 
 
 _default = Runner()

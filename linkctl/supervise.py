@@ -28,7 +28,7 @@ from typing import IO, Any
 
 from linkctl.paths import write_atomic
 from linkctl.records import ServeStatus, dump
-from linkctl.runner import Runner, default_runner
+from linkctl.runner import Runner, default_runner, stop_process
 
 
 def stamp() -> str:
@@ -139,19 +139,8 @@ class Supervisor:
         threading.Thread(target=self._pump, args=(proc.stdout,), daemon=True).start()
         return proc
 
-    def _terminate(self, proc: subprocess.Popen) -> int:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.terminate()
-            try:
-                proc.wait(timeout=self.policy.stop_timeout)
-            except subprocess.TimeoutExpired:
-                self.log(
-                    f"pid {proc.pid} ignored SIGTERM for {self.policy.stop_timeout:g} s; SIGKILL"
-                )
-                proc.kill()
-                proc.wait()
-        return proc.returncode
+    def _terminate(self, proc: subprocess.Popen) -> int | None:
+        return stop_process(proc, self.policy.stop_timeout, say=self.log)
 
     def _sleep(self, seconds: float) -> bool:
         """Sleep unless asked to stop; True if a stop was requested."""

@@ -42,6 +42,7 @@ from typing import Any
 
 from linkctl.errors import CheckFailed, InputError
 from linkctl.profile import Profile
+from linkctl.runner import stop_process
 
 # Fixed prompts: plain text that any tokenizer splits into a few dozen tokens.
 PROMPTS = (
@@ -546,13 +547,7 @@ class _Server:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_process(self.proc, 15, kill_wait=5)
         self._fh.close()
 
 

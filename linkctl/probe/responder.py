@@ -24,7 +24,7 @@ import threading
 from typing import Any
 
 from linkctl.errors import InputError
-from linkctl.runner import Runner, default_runner
+from linkctl.runner import Runner, default_runner, stop_process
 
 log = logging.getLogger(__name__)
 
@@ -118,13 +118,8 @@ class Responder:
                 c.shutdown(socket.SHUT_RDWR)
         with self._iperf_lock:
             p = self._iperf_proc
-            if p and p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(3)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait(3)
+            if p:
+                stop_process(p, 3, kill_wait=3)
         for t in self._threads:
             t.join(2)
 
