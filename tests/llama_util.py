@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from conftest import IN_CI
 
+from linkctl.runner import stop_process
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -69,10 +71,4 @@ def start_fake(
 
 
 def stop(p: subprocess.Popen) -> None:
-    if p.poll() is None:
-        p.terminate()
-        try:
-            p.wait(5)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+    stop_process(p, 5)

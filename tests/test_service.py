@@ -23,6 +23,7 @@ from conftest import linkctl, need_tool, ns_snapshot
 
 from linkctl import service as svc
 from linkctl.profile import load_profile, parse_profile
+from linkctl.runner import stop_process
 
 PROFILES = ("dgx-mac", "dgx2-mac-switch")
 LINKCTL = "/opt/linkctl/bin/linkctl"
@@ -567,12 +568,7 @@ def test_link_unit_command_lines_bring_the_link_up_in_the_lab(make_lab, tmp_path
         assert r.returncode == 0, r.stdout + r.stderr
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+            stop_process(p, 10, kill_wait=10)
 
 
 @pytest.mark.netns
@@ -673,11 +669,7 @@ def test_rpc_serve_unit_runs_without_any_capability(make_lab, tmp_path):
         assert r.returncode == 0, r.stdout + r.stderr
         assert r.stdout.strip().startswith("(")
     finally:
-        p.terminate()
-        try:
-            p.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            p.kill()
+        stop_process(p, 20, kill_wait=10)
 
 
 def test_manager_commands_for_the_real_system():
