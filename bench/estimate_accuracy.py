@@ -89,7 +89,8 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--keep", action="store_true", help="leave the lab up")
     a = ap.parse_args()
-    name, work, state, bins = start("ea-estimate-accuracy", "network namespaces")
+    name, work, _state, bins = start("ea-estimate-accuracy", "network namespaces")
+    from linkctl.lab import load_lab
     from linkctl.tinymodel import TinySpec, write_tiny_llama
 
     procs: list[Proc] = []
@@ -99,7 +100,7 @@ def main() -> int:
     limit = CpuLimit(a.cpu) if a.cpu else None
     try:
         linkctl("lab", "up", "--profile", "dgx-mac", "--name", name, "--json")
-        lab = json.loads((state / "lab" / name / "lab.json").read_text())
+        lab = load_lab(name)
         for h in ("dgx", "mac"):
             in_ns(name, h, "linkctl", "setup")
         # The lab's llama.cpp is a CPU build: both ends are "cpu" devices here (a CPU-only
@@ -108,12 +109,12 @@ def main() -> int:
 
         import tomli_w
 
-        pdata = tomllib.loads(Path(lab["profile_path"]).read_text())
+        pdata = tomllib.loads(Path(lab.profile_path).read_text())
         for h in pdata["hosts"]:
             h["device"], h["memory_gb"] = "cpu", 16
         cpu_profile = work / "profile-cpu.toml"
         cpu_profile.write_text(tomli_w.dumps(pdata))
-        dgx_ip = next(h["address"] for h in lab["hosts"] if h["name"] == "dgx").split("/")[0]
+        dgx_ip = lab.host("dgx").address.split("/")[0]
         model = write_tiny_llama(
             work / "tiny.gguf", TinySpec(n_layer=8, n_embd=512, n_head=8, n_ff=1536, n_ctx=1024)
         )

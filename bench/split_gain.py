@@ -127,11 +127,12 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--keep", action="store_true", help="leave the lab up")
     a = ap.parse_args()
-    name, work, state, _bins = start("sg-split-gain", "network namespaces, a cgroup")
+    name, work, _state, _bins = start("sg-split-gain", "network namespaces, a cgroup")
     import tomllib
 
     import tomli_w
 
+    from linkctl.lab import load_lab
     from linkctl.tinymodel import TinySpec, write_tiny_llama
 
     procs: list[Proc] = []
@@ -146,18 +147,18 @@ def main() -> int:
     }
     try:
         linkctl("lab", "up", "--profile", "dgx2-mac-switch", "--name", name, "--json")
-        lab = json.loads((state / "lab" / name / "lab.json").read_text())
-        root = Path(lab["root"])
+        lab = load_lab(name)
+        root = Path(lab.root)
         for h in (*RPC_HOSTS, HEAD):
             in_ns(name, h, "linkctl", "setup")
-        addr = {h["name"]: h["address"].split("/")[0] for h in lab["hosts"]}
+        addr = {h.name: h.address.split("/")[0] for h in lab.hosts}
         model = write_tiny_llama(
             work / "tiny.gguf",
             TinySpec(n_layer=a.layers, n_embd=a.embd, n_head=8, n_ff=a.ff, n_ctx=1024),
         )
         mpath = model["path"]
         # The lab's llama.cpp is a CPU build: every host is a "cpu" device here.
-        pdata = tomllib.loads(Path(lab["profile_path"]).read_text())
+        pdata = tomllib.loads(Path(lab.profile_path).read_text())
         for h in pdata["hosts"]:
             h["device"], h["memory_gb"] = "cpu", 16
             fast = h["name"] == "dgx1"
