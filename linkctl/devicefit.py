@@ -311,6 +311,13 @@ def _distinct(rows: list[Row]) -> int:
     return len({tuple(round(v, 6) for v in row_features(r)) for r in rows})
 
 
+def _block_share(row: Row, pc: list[float]) -> float:
+    """The share of the row's time the prior's per-block costs explain."""
+    f = row_features(row)
+    total = dot(pc, f)
+    return (pc[D_BLOCK] * f[D_BLOCK] + pc[D_MOE] * f[D_MOE]) / total if total > 0 else 0.0
+
+
 def _tied_note(prior: Prior, why: str, base: str, alone: int = 1) -> str:
     """Why a term is tied to another, and to what ratio."""
     if prior.anchor:
@@ -342,17 +349,23 @@ def fit_decode(rows: list[Row], prior: Prior) -> tuple[list[float], dict[str, st
             partner = D_BLOCK if i == D_MOE else D_Q
             ties[i] = (partner, prior.ratio(pc, i, partner, 1.0 if i != D_MOE else 0.0))
             notes[DECODE_NAMES[i]] = f"assumed (too few rows): the ratio in {src}"
-    if 5 - len(ties) - len(fixed) > n:
-        # One row cannot split per-block cost from bandwidth: take the share of the
-        # spec bandwidth the family anchor reaches and fit the per-block cost, unless
-        # that leaves none (then the bandwidth alone explains the row).
+    if 5 - len(ties) - len(fixed) > n and _block_share(rows[0], pc) >= 0.5:
+        # One row shape cannot split per-block cost from bandwidth: borrow from the
+        # family anchor the term that explains less of its time, and fit the other,
+        # so the borrowed term's error moves the prediction least. Per-block cost
+        # explains more (a small model): take the share of the spec bandwidth the
+        # anchor reaches, unless that leaves no per-block cost (then the bandwidth
+        # alone explains the row); bandwidth explains more (a large model): the
+        # anchor's per-block cost, below.
         c = _solve(rows, 5, ties, {D_Q: pc[D_Q]})
         if c[D_BLOCK] > 0:
             notes["bw_gbs"] = f"assumed (too few rows): the spec share of {src}"
             return c, notes
         fixed[D_BLOCK] = 0.0
         notes["layer_us"] = "assumed (too few rows): 0, the bandwidth alone explains the row"
-    if not _full_rank(rows, 5, ties, fixed) and D_BLOCK not in fixed:
+    if (5 - len(ties) - len(fixed) > n or not _full_rank(rows, 5, ties, fixed)) and (
+        D_BLOCK not in fixed
+    ):
         # Every quantized row (or every F16 row) is one model shape: per-block cost and
         # bandwidth are collinear. Take the family anchor's per-block cost, fit the rest.
         _pin(fixed, ties, pc, D_BLOCK, D_MOE)

@@ -118,15 +118,33 @@ def test_a_source_that_does_not_say_whether_it_ran_flash_attention_is_refused(tm
 def test_prefill_rows_of_one_model_do_not_fit_a_per_micro_batch_cost():
     """A unit whose prompt rows are all one model cannot tell a per-micro-batch cost from
     a FLOPS rate (both grow with the prompt): the cost is the family anchor's, marked."""
-    from linkctl.devicefit import loo_fit
+    from linkctl.devicefit import catalog_group
 
     rows, spec = load_rows(), load_spec()
-    left_out = next(
-        r for r in rows if r.device == "m3-ultra" and r.model == "llama-2-7b" and r.test == "pp512"
-    )
-    rest = [r for r in rows if r.device == "m3-ultra" and r.kind == "prefill" and r is not left_out]
-    assert rest and len({r.model for r in rest}) == 1
-    fit = loo_fit(rows, left_out, spec)
+    group = catalog_group(rows, "m3-ultra")
+    unit = [r for r in rows if r.device == "m3-ultra" and r.kind == "prefill" and r.group == group]
+    assert unit and len({r.model for r in unit}) == 1
+    fit = fit_all(rows, spec)["m3-ultra"]
     assert "one model" in fit.notes["ubatch_layer_us"]
     anchor = fit_all(rows, spec)["m2-ultra"]
     assert fit.prefill[0] == pytest.approx(anchor.prefill[0])  # a time per block: not spec-scaled
+
+
+def test_one_row_shape_borrows_the_term_that_explains_less_of_it():
+    """Rows of one shape cannot split per-block cost from bandwidth: the fit borrows from
+    the family anchor the term that explains less of the row's time and fits the other,
+    so the borrowed term's error moves the prediction least."""
+    from linkctl.devicefit import D_BLOCK, D_Q, Prior, fit_decode, loo_fit
+
+    rows, spec = load_rows(), load_spec()
+    anchor = fit_all(rows, spec)["m2-ultra"]
+    # The M3 Ultra's Dec 2025 rows without its 3B one: two 70B rows, bandwidth-bound.
+    small = next(r for r in rows if r.device == "m3-ultra" and r.model == "llama-3.2-3b")
+    fit = loo_fit(rows, small, spec)
+    assert "layer_us" in fit.notes and "bw_gbs" not in fit.notes
+    assert fit.decode[D_BLOCK] == pytest.approx(anchor.decode[D_BLOCK])
+    # A 1.1B row alone is mostly per-block cost: the bandwidth is the borrowed term.
+    tiny = [r for r in rows if r.model == "tinyllama-1.1b" and r.kind == "decode"][:1]
+    coefs, notes = fit_decode(tiny, Prior(anchor.decode, anchor.prefill, "m2-ultra"))
+    assert "bw_gbs" in notes and "layer_us" not in notes
+    assert coefs[D_Q] == pytest.approx(anchor.decode[D_Q])
