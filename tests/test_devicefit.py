@@ -124,9 +124,10 @@ def test_prefill_rows_of_one_model_do_not_fit_a_per_micro_batch_cost():
     group = catalog_group(rows, "m3-ultra")
     unit = [r for r in rows if r.device == "m3-ultra" and r.kind == "prefill" and r.group == group]
     assert unit and len({r.model for r in unit}) == 1
-    fit = fit_all(rows, spec)["m3-ultra"]
+    fits = fit_all(rows, spec)
+    fit = fits["m3-ultra"]
     assert "one model" in fit.notes["ubatch_layer_us"]
-    anchor = fit_all(rows, spec)["m2-ultra"]
+    anchor = fits["m2-ultra"]
     assert fit.prefill[0] == pytest.approx(anchor.prefill[0])  # a time per block: not spec-scaled
 
 
