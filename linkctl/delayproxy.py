@@ -42,7 +42,6 @@ import collections
 import contextlib
 import json
 import os
-import signal
 import socket
 import struct
 import sys
@@ -54,6 +53,7 @@ from typing import Any
 
 from linkctl.paths import write_atomic
 from linkctl.rpc import RpcCmd
+from linkctl.stopflag import StopFlag, stop_on_signals
 
 _CHUNK = 256 * 1024
 
@@ -483,25 +483,35 @@ def main(argv: list[str] | None = None) -> int:
     )
     a = ap.parse_args(argv)
     sched = realtime() if a.realtime else "default"
-    try:
-        corrupt = Corruption(a.corrupt, a.corrupt_rate, a.corrupt_seed) if a.corrupt else None
-        proxy = DelayProxy(
-            parse_addr(a.listen, "--listen"),
-            parse_addr(a.target, "--target"),
-            a.delay_ms,
-            corrupt=corrupt,
-        )
-        proxy.scheduling = sched
-        proxy.start()
-    except LinkctlError as e:
-        print(f"delayproxy: error: {e.line()}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"delayproxy: error: cannot listen on {a.listen}: {e.strerror}", file=sys.stderr)
-        return 2
-    done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
+    # Handlers before the port opens: a SIGTERM as soon as it accepts still ends cleanly.
+    with stop_on_signals() as done:
+        try:
+            corrupt = Corruption(a.corrupt, a.corrupt_rate, a.corrupt_seed) if a.corrupt else None
+            proxy = DelayProxy(
+                parse_addr(a.listen, "--listen"),
+                parse_addr(a.target, "--target"),
+                a.delay_ms,
+                corrupt=corrupt,
+            )
+            proxy.scheduling = sched
+            proxy.start()
+        except LinkctlError as e:
+            print(f"delayproxy: error: {e.line()}", file=sys.stderr)
+            return 2
+        except OSError as e:
+            print(f"delayproxy: error: cannot listen on {a.listen}: {e.strerror}", file=sys.stderr)
+            return 2
+        _serve(proxy, a, sched, done)
+    proxy.stop()
+    snap = proxy.snapshot()
+    if a.stats_file:
+        write_atomic(Path(a.stats_file), json.dumps(snap))
+    print(json.dumps(snap), flush=True)
+    return 0
+
+
+def _serve(proxy: DelayProxy, a: argparse.Namespace, sched: str, done: StopFlag) -> None:
+    """Say what runs, then rewrite the stats file every 0.2 s until ``done``."""
     print(
         f"delayproxy: {a.listen} -> {a.target}, {a.delay_ms:g} ms each way"
         + (f", corrupting {a.corrupt} at {a.corrupt_rate:g}/bit" if a.corrupt else "")
@@ -517,12 +527,6 @@ def main(argv: list[str] | None = None) -> int:
             if snap != last:
                 write_atomic(path, snap)
                 last = snap
-    proxy.stop()
-    snap = proxy.snapshot()
-    if path:
-        write_atomic(path, json.dumps(snap))
-    print(json.dumps(snap), flush=True)
-    return 0
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from typing import IO, Any
 from linkctl.paths import write_atomic
 from linkctl.records import ServeStatus, dump
 from linkctl.runner import Runner, default_runner, stop_process
+from linkctl.stopflag import StopFlag
 
 
 def stamp() -> str:
@@ -81,7 +82,7 @@ class Supervisor:
         self.status_path = status_path
         self.status = ServeStatus(name=spec.name, pid=os.getpid(), argv=list(spec.argv))
         self.proc: subprocess.Popen | None = None
-        self._stop = threading.Event()
+        self._stop = StopFlag()  # set by a signal handler: no lock (linkctl/stopflag.py)
         self._stop_signal: int | None = None
         self._lock = threading.Lock()
         self.tail: collections.deque[str] = collections.deque(maxlen=50)

@@ -14,6 +14,7 @@ import pytest
 
 from linkctl.delayproxy import _RpcParser, main
 from linkctl.rpc import RpcCmd
+from linkctl.runner import stop_process
 
 ECHO = r"""
 import socket, sys, threading
@@ -115,6 +116,7 @@ def test_delay_order_and_turns_between_namespaces(make_lab, tmp_path):
                 stderr=subprocess.DEVNULL,
                 text=True,
             )
+            procs.append(proxy)  # killed below if it ever ignores SIGTERM
             r = lab.exec("mac", sys.executable, "-c", CLIENT, ip, "7001", "50")
             assert r.returncode == 0, r.stderr
             results[delay] = json.loads(r.stdout)
@@ -128,8 +130,7 @@ def test_delay_order_and_turns_between_namespaces(make_lab, tmp_path):
             assert final["c2s_bytes"] == 50 * 32 + 20000 * 4 == final["s2c_bytes"]
     finally:
         for p in procs:
-            p.terminate()
-            p.wait(10)
+            stop_process(p, 10)
     for res in results.values():
         assert res["in_order"]
     slow, fast = results[2.0]["rtts"], results[0.0]["rtts"]

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import signal
 import sys
-import threading
 from typing import Annotated
 
 import typer
@@ -25,11 +23,10 @@ def _stamp_say(who: str):
 
 def wait_for_signal() -> None:
     """Block the main thread until SIGTERM or SIGINT."""
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(1.0):
-        pass
+    from linkctl.stopflag import stop_on_signals
+
+    with stop_on_signals() as stop:
+        stop.wait()
 
 
 def register(app: typer.Typer) -> None:

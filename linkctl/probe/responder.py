@@ -17,7 +17,6 @@ import contextlib
 import ipaddress
 import json
 import logging
-import signal
 import socket
 import subprocess
 import threading
@@ -25,6 +24,7 @@ from typing import Any
 
 from linkctl.errors import InputError
 from linkctl.runner import Runner, default_runner, stop_process
+from linkctl.stopflag import stop_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -125,22 +125,14 @@ class Responder:
 
     def serve_forever(self, ready: Any = None) -> None:
         """start(), then block until SIGTERM/SIGINT; always stop() the children."""
-        done = threading.Event()
-
-        def _handler(signum: int, _frame: Any) -> None:
-            done.set()
-
-        old = {sig: signal.signal(sig, _handler) for sig in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            self.start()
-            if ready:
-                ready(self.info())
-            while not done.wait(0.5):
-                pass
-        finally:
-            self.stop()
-            for sig, h in old.items():
-                signal.signal(sig, h)
+        with stop_on_signals() as done:
+            try:
+                self.start()
+                if ready:
+                    ready(self.info())
+                done.wait()
+            finally:
+                self.stop()
 
     def info(self) -> dict[str, Any]:
         p = self._iperf_proc
