@@ -363,29 +363,46 @@ class Probe(Step):
             f"{r['throughput_gbps']:.1f} Gbit/s, path MTU {r['path_mtu']}"
         )
 
-    def run_probe_retrying_silent_death(self, ctx: DemoContext, log: Path) -> Result:
-        """`linkctl probe`, run once more if it dies with no output at all.
-
-        Seen twice under CI load on 2 cores (exit status not 0/1/2, empty stdout and
-        stderr); the cause was never found, so this stays a named special case, and the
-        demo says when it happens."""
+    def attempt(self, ctx: DemoContext, log: Path) -> tuple[Result, str | None]:
+        """One `linkctl probe --json`; returns its result and why it did not pass (None:
+        it passed): the report's stop reason, its failed checks with their figures, or
+        the process's own last words."""
         argv = ["linkctl", "probe", "--profile", str(ctx.prof_path), "--peer", self.peer]
-        argv.append("--json")
-        r = ctx.run_in(self.head, argv, log, timeout=180)
-        if r.returncode not in (0, 1, 2) and not (r.stdout + r.stderr).strip():
-            ctx.say(f"     probe exited {r.returncode} with no output; running it once more")
-            first = log.read_text()
-            r = ctx.run_in(self.head, argv, log, timeout=180)
-            log.write_text(first + log.read_text())
-        return r
+        r = ctx.run_in(self.head, [*argv, "--json"], log, timeout=180)
+        out = r.stdout.strip()
+        rec: dict[str, Any] = {}
+        if out.startswith("{"):
+            with contextlib.suppress(ValueError):
+                rec = json.loads(out)
+        if r.returncode == 0 and rec:
+            return r, None
+        if rec.get("stopped"):
+            return r, f"could not run: {rec['stopped']}"
+        failed = [c for c in rec.get("checks", []) if c.get("verdict") == "FAIL"]
+        if failed:
+            return r, "failed: " + ", ".join(_check_text(c) for c in failed)
+        last = (r.stderr.strip() or "no output").splitlines()[-1]
+        return r, f"could not run: {last} (exit {r.returncode})"
 
     def probe(self, ctx: DemoContext) -> dict[str, Any]:
+        """Probe; once more if the first run did not pass.
+
+        The lab's hosts share this machine's CPUs with everything else. Under CI load a
+        probe has died with no output, stopped (exit 2), and missed the lab's 5 ms tail
+        on 1000 round trips; a second run tells a load spike from a broken link. The
+        first run's outcome is said, kept in the log and in the report."""
         peer = self.peer
         log = ctx.log(f"{self.head}-probe-{peer}.log")
-        r = self.run_probe_retrying_silent_death(ctx, log)
-        if r.returncode == 2 or not r.stdout.strip().startswith("{"):
-            last = (r.stderr.strip() or f"no output, exit {r.returncode}").splitlines()[-1]
-            raise CheckFailed(f"`linkctl probe --peer {peer}` could not run: {last} (log: {log})")
+        r, why = self.attempt(ctx, log)
+        first = None
+        if why is not None:
+            first = why
+            ctx.say(f"     first probe {why}; the lab shares its CPU: probing once more")
+            text = log.read_text()
+            r, why = self.attempt(ctx, log)
+            log.write_text(f"{text}\n--- second run ---\n{log.read_text()}")
+        if why is not None and why.startswith("could not run"):
+            raise CheckFailed(f"`linkctl probe --peer {peer}` {why}", f"see {log}")
         rep = parse(
             ProbeRecord,
             json.loads(r.stdout),
@@ -398,7 +415,8 @@ class Probe(Step):
         return {
             "peer": peer,
             "ok": rep.ok,
-            "failed": ", ".join(rep.failed),
+            "failed": ", ".join(_check_text(c) for c in rep.checks if c["verdict"] == "FAIL"),
+            "first_run": first,  # why the first run did not pass (None: it did)
             "path_mtu": rep.mtu.path_mtu_at_least,
             "rtt_p50_us": tcp1.p50_us,
             "rtt_p99_us": tcp1.p99_us,
@@ -409,6 +427,14 @@ class Probe(Step):
             "retransmits": sum(v.retransmits or 0 for v in thr.values()),
             "verdicts": {c["name"]: c["verdict"] for c in rep.checks},
         }
+
+
+def _check_text(c: dict[str, Any]) -> str:
+    """'tcp rtt 1 B (7310 vs limit 5000)': a check with its figure and limit."""
+    value, limit = c.get("value"), c.get("threshold")
+    if value is None or limit is None:
+        return str(c.get("name"))
+    return f"{c.get('name')} ({value:g} vs limit {limit:g})"
 
 
 class TinyModel(Step):
