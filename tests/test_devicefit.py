@@ -149,3 +149,21 @@ def test_one_row_shape_borrows_the_term_that_explains_less_of_it():
     coefs, notes = fit_decode(tiny, Prior(anchor.decode, anchor.prefill, "m2-ultra"))
     assert "bw_gbs" in notes and "layer_us" not in notes
     assert coefs[D_Q] == pytest.approx(anchor.decode[D_Q])
+
+
+def test_the_m2_ultra_catalog_is_fitted_from_its_current_build_alone():
+    """The M2 Ultra's catalog terms come from its 2025-2026 rows (ggerganov's benches file
+    and PR #15616, flash attention on); its 2023-2024 builds are fitted apart: mixed in,
+    one set of terms cannot hold both (the newer build reads weights faster)."""
+    from linkctl.devicefit import catalog_group
+
+    rows = [r for r in load_rows() if r.device == "m2-ultra" and not r.exclude]
+    assert catalog_group(rows, "m2-ultra") == ""
+    current = [r for r in rows if not r.group]
+    assert {r.date[:4] for r in current} <= {"2025", "2026"}
+    assert any("mac-m2-ultra" in r.source for r in current)
+    assert len({r.model for r in current}) >= 5 and all(r.flash_attn for r in current)
+    older = [r for r in rows if r.group and not r.group.startswith("metal-8e672efe")]
+    assert older and all(r.date < "2025" for r in older)
+    fits = fit_all(load_rows(), load_spec())
+    assert fits["m2-ultra"].n_decode + fits["m2-ultra"].n_prefill == len(current)
