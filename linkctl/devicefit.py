@@ -214,17 +214,9 @@ class Prior:
     decode: list[float]  # the anchor's decode coefficients (absolute)
     prefill: list[float]
     anchor: str | None = None
-    # Terms whose ratio to the quantized rate comes from another unit (build) of the same
-    # device that pins it, not from the anchor: term name -> that unit ("m2-ultra's
-    # metal-b2796 fit"); the ratio is already in `decode` / `prefill` (own_ratios).
-    own: dict[str, str] = field(default_factory=dict)
 
     def ratio(self, coefs: list[float], i: int, j: int, default: float) -> float:
         return coefs[i] / coefs[j] if coefs[j] > 0 and coefs[i] > 0 else default
-
-    def source(self, name: str, src: str) -> str:
-        """Where term ``name``'s ratio comes from (``src``: the anchor's, by default)."""
-        return self.own.get(name, src)
 
 
 @dataclass
@@ -298,13 +290,11 @@ def _solve_pinned(
     names: tuple[str, ...],
     notes: dict[str, str],
     src: str,
-    own: dict[str, str] | None = None,
 ) -> list[float]:
     """Fit; a throughput term the rows leave at zero cost (unbounded) is tied to the
     quantized one at the prior's ratio (the main one: fixed at the prior, with what is
     tied to it) and the rest refitted around it, not added on top of a fit that spent
     its time elsewhere. Ratios carry across a family better than absolute rates."""
-    own = own or {}
     main = throughput[0]
     c = _solve(rows, n_coef, ties, fixed)
     for _ in throughput:
@@ -315,9 +305,8 @@ def _solve_pinned(
         if i != main and main not in fixed:
             r = prior[i] / prior[main] if prior[main] > 0 else 1.0
             ties[i] = (main, r)
-            where = own.get(names[i], src)
             notes[names[i]] = (
-                f"assumed (not pinned by the rows): {names[main]} x the ratio in {where}"
+                f"assumed (not pinned by the rows): {names[main]} x the ratio in {src}"
             )
         else:
             fixed[i] = prior[i]
@@ -341,10 +330,8 @@ def _block_share(row: Row, pc: list[float]) -> float:
     return (pc[D_BLOCK] * f[D_BLOCK] + pc[D_MOE] * f[D_MOE]) / total if total > 0 else 0.0
 
 
-def _tied_note(prior: Prior, why: str, base: str, alone: int = 1, name: str = "") -> str:
+def _tied_note(prior: Prior, why: str, base: str, alone: int = 1) -> str:
     """Why a term is tied to another, and to what ratio."""
-    if name in prior.own:
-        return f"assumed ({why}): {base} x the ratio in {prior.own[name]}"
     if prior.anchor:
         return f"assumed ({why}): {base} x the ratio in the {prior.anchor} fit"
     return f"assumed ({why}): {base} x {alone} (no device to borrow a ratio from)"
@@ -359,7 +346,7 @@ def fit_decode(rows: list[Row], prior: Prior) -> tuple[list[float], dict[str, st
     notes: dict[str, str] = {}
     if not any(_f16_heavy(r) for r in rows):
         ties[D_F16] = (D_Q, prior.ratio(pc, D_F16, D_Q, 1.0))
-        notes["bw_f16_gbs"] = _tied_note(prior, "no F16 rows", "bw_gbs", name="bw_f16_gbs")
+        notes["bw_f16_gbs"] = _tied_note(prior, "no F16 rows", "bw_gbs")
     if not any(r.depth + r.n / 2 >= KV_DEPTH_MIN for r in rows):
         ties[D_KV] = (D_Q, prior.ratio(pc, D_KV, D_Q, 1.0))
         notes["kv_bw_gbs"] = _tied_note(prior, "no deep decode rows", "bw_gbs")
@@ -373,8 +360,7 @@ def fit_decode(rows: list[Row], prior: Prior) -> tuple[list[float], dict[str, st
         if i not in ties:
             partner = D_BLOCK if i == D_MOE else D_Q
             ties[i] = (partner, prior.ratio(pc, i, partner, 1.0 if i != D_MOE else 0.0))
-            where = prior.source(DECODE_NAMES[i], src)
-            notes[DECODE_NAMES[i]] = f"assumed (too few rows): the ratio in {where}"
+            notes[DECODE_NAMES[i]] = f"assumed (too few rows): the ratio in {src}"
     if 5 - len(ties) - len(fixed) > n and _block_share(rows[0], pc) >= 0.5:
         # One row shape cannot split per-block cost from bandwidth: borrow from the
         # family anchor the term that explains less of its time, and fit the other,
@@ -396,9 +382,7 @@ def fit_decode(rows: list[Row], prior: Prior) -> tuple[list[float], dict[str, st
         # bandwidth are collinear. Take the family anchor's per-block cost, fit the rest.
         _pin(fixed, ties, pc, D_BLOCK, D_MOE)
         notes["layer_us"] = f"assumed (rows do not separate it from bandwidth): {src}"
-    c = _solve_pinned(
-        rows, 5, ties, fixed, (D_Q, D_F16, D_KV), pc, DECODE_NAMES, notes, src, prior.own
-    )
+    c = _solve_pinned(rows, 5, ties, fixed, (D_Q, D_F16, D_KV), pc, DECODE_NAMES, notes, src)
     return c, notes
 
 
@@ -420,7 +404,7 @@ def fit_prefill(rows: list[Row], prior: Prior) -> tuple[list[float], dict[str, s
     notes: dict[str, str] = {}
     if not any(_f16_heavy(r) for r in rows):
         ties[P_F16] = (P_Q, prior.ratio(pc, P_F16, P_Q, 1.0))
-        notes["tflops_f16"] = _tied_note(prior, "no F16 rows", "tflops", name="tflops_f16")
+        notes["tflops_f16"] = _tied_note(prior, "no F16 rows", "tflops")
     if not any(r.depth + r.n >= 4096 for r in rows):
         ties[P_ATTN] = (P_Q, prior.ratio(pc, P_ATTN, P_Q, 1.0))
         notes["attn_tflops"] = _tied_note(prior, "no long-context rows", "tflops")
@@ -436,8 +420,7 @@ def fit_prefill(rows: list[Row], prior: Prior) -> tuple[list[float], dict[str, s
         if i not in ties:
             partner = P_UB if i == P_MOE_UB else P_Q
             ties[i] = (partner, prior.ratio(pc, i, partner, 0.0 if i == P_MOE_UB else 1.0))
-            where = prior.source(PREFILL_NAMES[i], src)
-            notes[PREFILL_NAMES[i]] = f"assumed (too few rows): the ratio in {where}"
+            notes[PREFILL_NAMES[i]] = f"assumed (too few rows): the ratio in {src}"
     if 6 - len(ties) - len(fixed) > n:
         _pin(fixed, ties, pc, P_UB, P_MOE_UB)
         notes["ubatch_layer_us"] = f"assumed (too few rows): {src}"
@@ -456,7 +439,7 @@ def fit_prefill(rows: list[Row], prior: Prior) -> tuple[list[float], dict[str, s
         _pin(fixed, ties, pc, P_UB, P_MOE_UB)
         notes["ubatch_layer_us"] = f"assumed (rows do not separate it from FLOPS): {src}"
     c = _solve_pinned(
-        rows, 6, ties, fixed, (P_Q, P_F16, P_MOE, P_ATTN), pc, PREFILL_NAMES, notes, src, prior.own
+        rows, 6, ties, fixed, (P_Q, P_F16, P_MOE, P_ATTN), pc, PREFILL_NAMES, notes, src
     )
     return c, notes
 
@@ -481,10 +464,8 @@ def fit_device(
     specs: dict[str, dict[str, Any]],
     rows: list[Row],
     anchors: dict[str, tuple[str, DeviceFit]],
-    own: dict[str, tuple[float, str]] | None = None,
 ) -> DeviceFit:
-    """One device's terms from its rows, borrowing from its family anchor where needed
-    (``own``: ratios borrowed from another unit of the same device first, own_ratios)."""
+    """One device's terms from its rows, borrowing from its family anchor where needed."""
     spec = specs[key]
     fam = spec["family"]
     dec_rows = [r for r in rows if r.kind == "decode"]
@@ -508,12 +489,6 @@ def fit_device(
         d, p = prior_terms(spec)
         prior = Prior(decode_coefs(d), prefill_coefs(p), None)
         scaled_note = "assumed: spec x prior efficiency (devices.toml), no per-block cost"
-    for name, (ratio, where) in (own or {}).items():
-        coefs, i, j = (
-            (prior.decode, D_F16, D_Q) if name in DECODE_NAMES else (prior.prefill, P_F16, P_Q)
-        )
-        coefs[i] = coefs[j] * ratio
-        prior.own[name] = where
     notes: dict[str, str] = {}
     if dec_rows:
         dc, dn = fit_decode(dec_rows, prior)
@@ -546,88 +521,24 @@ def fit_units(
     fit_all) plus each older-build group, which borrows from the same family anchors
     (`also`: a unit to include even with no rows: then it is the family assumption)."""
     spec = spec or load_spec()
-    out = _fit_units_once(rows, spec, also, {})
-    own = own_ratios(out, rows)
-    return _fit_units_once(rows, spec, also, own) if own else out
-
-
-def fit_all(rows: list[Row], spec: dict[str, dict[str, Any]] | None = None) -> dict[str, DeviceFit]:
-    """The catalog: one fit per device, from the rows of its catalog_group."""
-    spec = spec or load_spec()
-    units = fit_units(rows, spec)
-    return {k: units[(k, catalog_group(rows, k))] for k in spec}
-
-
-def _fit_units_once(
-    rows: list[Row],
-    spec: dict[str, dict[str, Any]],
-    also: tuple[str, str] | None,
-    own: dict[tuple[str, str], dict[str, tuple[float, str]]],
-) -> dict[tuple[str, str], DeviceFit]:
-    fits, anchors = _fit_catalog(rows, spec, own)
+    fits, anchors = _fit_catalog(rows, spec)
     used = [r for r in rows if not r.exclude and r.device in spec]
     out = {(k, catalog_group(rows, k)): f for k, f in fits.items()}
     for key, group in sorted({(r.device, r.group) for r in used} | ({also} if also else set())):
         if (key, group) not in out:
             unit = [r for r in used if r.device == key and r.group == group]
-            out[(key, group)] = fit_device(key, spec, unit, anchors, own.get((key, group)))
+            out[(key, group)] = fit_device(key, spec, unit, anchors)
     return out
 
 
-# The F16 terms, as (term, quantized term it is tied to): a unit whose rows cannot pin one
-# borrows its ratio from another unit of the same device that does (own_ratios).
-OWN_RATIO_TERMS = {"bw_f16_gbs": (D_F16, D_Q), "tflops_f16": (P_F16, P_Q)}
-
-
-def _months(date: str) -> int:
-    """A source date ("2024-05", "2023-09-09", "2023-11 onwards", "2026") in months."""
-    y, _, m = date[:7].partition("-")
-    return int(y) * 12 + (int(m) - 1 if m.isdigit() else 0)
-
-
-def own_ratios(
-    units: dict[tuple[str, str], DeviceFit], rows: list[Row]
-) -> dict[tuple[str, str], dict[str, tuple[float, str]]]:
-    """For each unit (device, build group) whose rows do not pin an F16 term, the ratio of
-    that term to the quantized one in the same device's nearest build (by source date)
-    whose rows do pin it: the same chip's F16 vs quantized kernels, measured, before the
-    family anchor's ratio (another chip's, or the spec's 1 when the anchor has no F16 rows).
-    Checked leave-one-out in bench/published_accuracy.py (README)."""
-    when: dict[tuple[str, str], int] = {}
-    for r in rows:
-        if not r.exclude and r.date[:4].isdigit():
-            k = (r.device, r.group)
-            when[k] = max(when.get(k, 0), _months(r.date))
-    out: dict[tuple[str, str], dict[str, tuple[float, str]]] = {}
-    for (dev, group), fit in units.items():
-        for name, (i, j) in OWN_RATIO_TERMS.items():
-            kind = "decode" if name in DECODE_NAMES else "prefill"
-            if name not in fit.notes:
-                continue  # pinned by its own rows, or no rows of the kind: nothing to tie
-            donors = [
-                (abs(when.get(k, 0) - when.get((dev, group), 0)), -when.get(k, 0), k, f)
-                for k, f in units.items()
-                if k[0] == dev and k != (dev, group)
-                if (f.n_decode if kind == "decode" else f.n_prefill)
-                and name not in f.notes
-                and kind not in f.notes
-            ]
-            if not donors:
-                continue
-            *_, (_, g), f = min(donors, key=lambda d: d[:2])
-            c = f.decode if kind == "decode" else f.prefill
-            if c[i] > 0 and c[j] > 0:
-                label = g.split(":")[0] or "current-build"
-                out.setdefault((dev, group), {})[name] = (c[i] / c[j], f"{dev}'s {label} fit")
-    return out
+def fit_all(rows: list[Row], spec: dict[str, dict[str, Any]] | None = None) -> dict[str, DeviceFit]:
+    """The catalog: one fit per device, from the rows of its catalog_group."""
+    return _fit_catalog(rows, spec or load_spec())[0]
 
 
 def _fit_catalog(
-    rows: list[Row],
-    spec: dict[str, dict[str, Any]],
-    own: dict[tuple[str, str], dict[str, tuple[float, str]]] | None = None,
+    rows: list[Row], spec: dict[str, dict[str, Any]]
 ) -> tuple[dict[str, DeviceFit], dict[str, tuple[str, DeviceFit]]]:
-    own = own or {}
     used = [r for r in rows if not r.exclude and r.device in spec]
     unknown = sorted({r.device for r in rows if not r.exclude} - set(spec))
     if unknown:
@@ -640,13 +551,11 @@ def _fit_catalog(
         members = [k for k in spec if spec[k]["family"] == fam and by_dev[k]]
         if members:
             a = max(members, key=lambda k: (len(by_dev[k]), k))
-            mine = own.get((a, catalog_group(used, a)))
-            anchors[fam] = (a, fit_device(a, spec, by_dev[a], {}, mine))
+            anchors[fam] = (a, fit_device(a, spec, by_dev[a], {}))
     out = {}
     for k in spec:
         a = anchors.get(spec[k]["family"])
-        mine = own.get((k, catalog_group(used, k)))
-        out[k] = a[1] if a and a[0] == k else fit_device(k, spec, by_dev[k], anchors, mine)
+        out[k] = a[1] if a and a[0] == k else fit_device(k, spec, by_dev[k], anchors)
     return out, anchors
 
 
