@@ -42,6 +42,7 @@ from linkctl.estimate import (
     prefill_coefs,
     prefill_features,
     prefill_terms_from_coefs,
+    skips_masked_kv,
 )
 from linkctl.gguf_info import ModelInfo
 
@@ -152,9 +153,20 @@ def row_features(row: Row) -> list[float]:
     and the output head): per generated token for tg, per prompt for pp."""
     m = row_model(row)
     layers = list(range(m.block_count))
+    # Whether the row's backend skips the cache chunks the mask fully masks (Metal's flash
+    # attention does, CUDA's single-sequence decode does not): a sliding-window block then
+    # reads its window, not its whole cache (linkctl.estimate.skips_masked_kv).
+    skip = skips_masked_kv(_family(row.device), row.flash_attn)
     if row.kind == "decode":
-        return decode_features(m, layers, True, row.depth + row.n / 2, row.ubatch, row.flash_attn)
-    return prefill_features(m, layers, True, row.n, row.depth, row.ubatch)
+        depth = row.depth + row.n / 2
+        return decode_features(m, layers, True, depth, row.ubatch, row.flash_attn, skip)
+    return prefill_features(m, layers, True, row.n, row.depth, row.ubatch, skip)
+
+
+@cache
+def _family(device: str) -> str:
+    """The catalog family of a row's device ("apple" runs llama.cpp's Metal backend)."""
+    return str(load_spec().get(device, {}).get("family", ""))
 
 
 def row_time_us(row: Row) -> float:

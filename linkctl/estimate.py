@@ -20,7 +20,9 @@ Decode, per generated token (llama.cpp is sequential across a layer split):
                 by ggml type into quantized and F16/BF16/F32 bytes.
   KV bytes      at context position `depth` (not the allocated ctx): each block reads
                 depth positions of K and V (f16), a sliding-window block at most its
-                window (ModelInfo.kv_positions).
+                cache, window + one micro-batch, or its window where the backend's
+                flash attention skips fully masked cache chunks (Metal; not CUDA's
+                one-sequence decode: ModelInfo.kv_positions, skips_masked_kv).
   the terms     per device, fitted from public llama-bench results by
                 scripts/fit_devices.py (data/devices_fit.toml), or measured on the host
                 by `linkctl calibrate` (linkctl.catalog.apply_calibration).
@@ -89,6 +91,39 @@ RPC_TOKEN_EXTRA_BYTES = 6144
 FIXED_OVERHEAD_BYTES = 256 * 1024**2
 DEFAULT_UBATCH = 512
 DEFAULT_PROMPT = 512
+
+
+def skips_masked_kv(family: str, flash_attn: bool = True) -> bool:
+    """Whether a backend's flash attention skips the KV-cache chunks the mask fully masks,
+    so that a sliding-window block reads about its window, not its whole cache view
+    (ModelInfo.kv_positions). Read in ggml's source as llama.cpp ships it (ggml-org/ggml
+    mirrors llama.cpp's ggml/ tree, each commit naming the llama.cpp PR):
+
+    - Metal (family "apple"): yes. The decode kernel (kernel_flash_attn_ext_vec, used
+      while the batch is < 20 tokens: ggml-metal-ops.cpp ggml_metal_op_flash_attn_ext_use_vec)
+      loads the mask of each 32-cell chunk (C = OP_FLASH_ATTN_EXT_VEC_NCPSG) and, before
+      any K or V read, ``// skip -INF blocks`` ``if (simd_max(sm[tiisg]) <= -MAXHALF)
+      continue;`` (https://github.com/ggml-org/ggml/blob/e9e0035d477923a3e91d344768e6d4bc1a55a564/src/ggml-metal/ggml-metal.metal#L6376-L6379,
+      llama.cpp #19369, 5 Feb 2026, next to the M2 Ultra rows' build b7948; the check
+      dates from flash attention's introduction, llama.cpp #5021, Apr 2024, and is there
+      through Aug 2026). The prompt kernel skips the (8 query x 64 cell) blocks that
+      kernel_flash_attn_ext_blk marks fully masked (``if (blk[ic0] == 0) ... continue;``,
+      llama.cpp #16372, Oct 2025; before it an inline ``if (smax == -INFINITY) continue;``).
+    - CUDA (family "nvidia"): no, for one sequence. launch_fattn scans the mask only
+      ``if (mask && K->ne[1] % FATTN_KQ_STRIDE == 0 && (Q->ne[1] >= 1024 || Q->ne[3] > 1))``
+      (https://github.com/ggml-org/ggml/blob/09aa758381718f7731c148238574a7e169001f13/src/ggml-cuda/fattn-common.cuh#L876-L879,
+      31 Oct 2025, as in the GB10 rows' build b6918 of 2 Nov; unchanged through Aug 2026),
+      and then only to cut the fully masked tiles at the end of the view
+      (flash_attn_mask_to_KV_max);
+      for a decode token the vector kernel loops ``k_VKQ_0 < k_VKQ_max`` with
+      ``k_VKQ_max = KV_max ? ... : ne11``: every cell of the view, masked or not
+      (fattn-vec.cuh L239-L243 there). llama.cpp #14924 (Jul 2025) put this in place of
+      the vector kernel's own skip of fully masked slices (#13584, May 2025); no row in
+      the data is from that window.
+    - Without flash attention (either backend) the KQ product runs over the whole view.
+    """
+    return flash_attn and family == "apple"
+
 
 Role = Literal["head", "rpc"]
 
@@ -364,16 +399,18 @@ def decode_features(
     depth: float,
     ubatch: int = DEFAULT_UBATCH,
     flash_attn: bool = True,
+    skips_masked: bool = False,
 ) -> list[float]:
     """DECODE_FEATURES for one token on a device holding ``layers`` (+ the output head);
-    ``ubatch`` sizes a sliding-window block's cache (ModelInfo.kv_positions); the KV
-    feature is the attention's bytes, which depend on the flash-attention path
+    ``ubatch`` sizes a sliding-window block's cache and ``skips_masked`` says whether the
+    backend reads only its window of it (ModelInfo.kv_positions, skips_masked_kv); the
+    KV feature is the attention's bytes, which depend on the flash-attention path
     (ModelInfo.attn_bytes_per_position; llama-server defaults to it)."""
     st = model.block_stats
     q = sum(st[il].quant_bytes for il in layers)
     f = sum(st[il].f16_bytes for il in layers)
     kv = model.attn_bytes_per_position(flash_attn) * sum(
-        model.kv_positions(il, depth, ubatch) for il in layers
+        model.kv_positions(il, depth, ubatch, skips_masked) for il in layers
     )
     moe = sum(1 for il in layers if st[il].moe)
     if holds_output:
@@ -389,9 +426,10 @@ def prefill_features(
     n_prompt: int,
     depth: float = 0,
     ubatch: int = DEFAULT_UBATCH,
+    skips_masked: bool = False,
 ) -> list[float]:
     """PREFILL_FEATURES summed over the micro-batches of an ``n_prompt``-token prompt
-    that starts at context position ``depth``."""
+    that starts at context position ``depth`` (``skips_masked``: see decode_features)."""
     st = model.block_stats
     dq = sum(st[il].dense_quant_flops for il in layers)
     df = sum(st[il].dense_f16_flops for il in layers)
@@ -403,7 +441,7 @@ def prefill_features(
     for b in range(n_mb):
         tokens = min(ubatch, n_prompt - b * ubatch)
         mid = depth + b * ubatch + tokens / 2  # mean position attended in this micro-batch
-        attn = per_pos * sum(model.kv_positions(il, mid, ubatch) for il in layers)
+        attn = per_pos * sum(model.kv_positions(il, mid, ubatch, skips_masked) for il in layers)
         out[0] += len(layers)
         out[1] += moe_blocks
         out[2] += tokens * dq
@@ -448,7 +486,9 @@ def _device_load(
     kv = _kv_alloc(model, layers, ctx)
     buffers = FIXED_OVERHEAD_BYTES + (model.vocab_size * 4 * DEFAULT_UBATCH if holds_output else 0)
     need = weight + kv + (buffers if (layers or holds_output) else 0)
-    feats = decode_features(model, layers, holds_output, depth)
+    # llama-server's default flash attention (-fa auto) on the device's backend.
+    skip = skips_masked_kv(p.device.family)
+    feats = decode_features(model, layers, holds_output, depth, skips_masked=skip)
     c = decode_coefs(p.device.decode)
     fixed = c[0] * feats[0] + c[1] * feats[1]
     w_us = c[2] * feats[2] + c[3] * feats[3]
@@ -494,9 +534,9 @@ def _prefill_tok_s(
         if not d.slots:
             continue
         p = parts[d.host]
-        t_us += prefill_us(
-            p.device, prefill_features(model, d.layers, d.holds_output, n_prompt, 0, ubatch)
-        )
+        skip = skips_masked_kv(p.device.family)
+        feats = prefill_features(model, d.layers, d.holds_output, n_prompt, 0, ubatch, skip)
+        t_us += prefill_us(p.device, feats)
         if p.role == "rpc" and link is not None:
             for b in range(n_batches):
                 tokens = min(ubatch, n_prompt - b * ubatch)
@@ -589,9 +629,11 @@ def scenario(
         t = decode_us
         for d in loads:
             if d.layers:
-                c = decode_coefs(by_host[d.host].device.decode)[4]
+                dev = by_host[d.host].device
+                c = decode_coefs(dev.decode)[4]
+                skip = skips_masked_kv(dev.family)
                 kv = model.kv_bytes_per_token_per_layer * sum(
-                    model.kv_positions(il, pos) for il in d.layers
+                    model.kv_positions(il, pos, DEFAULT_UBATCH, skip) for il in d.layers
                 )
                 t += c * kv - d.kv_read_us
         return 1e6 / t if t > 0 else 0.0

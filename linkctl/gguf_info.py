@@ -215,12 +215,19 @@ class ModelInfo:
         alternates (n = 2), gemma3 has 5 local blocks per global one (n = 6)."""
         return self._swa
 
-    def kv_positions(self, layer: int, depth: float, ubatch: int = 512) -> float:
+    def kv_positions(
+        self, layer: int, depth: float, ubatch: int = 512, skips_masked: bool = False
+    ) -> float:
         """Cache cells block ``layer`` reads at context position ``depth``. A sliding-window
         block's cache holds window + one micro-batch of cells (llama-kv-cache-iswa.cpp
-        sizes it n_swa + n_ubatch) and attention runs over that whole view, masked."""
+        sizes it n_swa + n_ubatch; llama-kv-cache.cpp get_n_kv makes the attention's view
+        every used cell, padded to 256) and the mask sets the cells outside the window to
+        -INF. A kernel that runs over the whole view reads them all (window + ubatch);
+        ``skips_masked``: the backend's flash attention skips the cache chunks the mask
+        fully masks, so the block reads about its window (the chunks cut by the window's
+        edges add at most one chunk, 32 or 64 cells; see linkctl.estimate.skips_masked_kv)."""
         if layer in self._swa:
-            return min(depth, self.sliding_window + ubatch)
+            return min(depth, self.sliding_window + (0 if skips_masked else ubatch))
         return depth
 
     # -- sizes -----------------------------------------------------------------

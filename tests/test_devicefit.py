@@ -149,3 +149,53 @@ def test_one_row_shape_borrows_the_term_that_explains_less_of_it():
     coefs, notes = fit_decode(tiny, Prior(anchor.decode, anchor.prefill, "m2-ultra"))
     assert "bw_gbs" in notes and "layer_us" not in notes
     assert coefs[D_Q] == pytest.approx(anchor.decode[D_Q])
+
+
+def test_the_m2_ultra_catalog_is_fitted_from_its_current_build_alone():
+    """The M2 Ultra's catalog terms come from its 2025-2026 rows (ggerganov's benches file
+    and PR #15616, flash attention on); its 2023-2024 builds are fitted apart: mixed in,
+    one set of terms cannot hold both (the newer build reads weights faster)."""
+    from linkctl.devicefit import catalog_group
+
+    rows = [r for r in load_rows() if r.device == "m2-ultra" and not r.exclude]
+    assert catalog_group(rows, "m2-ultra") == ""
+    current = [r for r in rows if not r.group]
+    assert {r.date[:4] for r in current} <= {"2025", "2026"}
+    assert any("mac-m2-ultra" in r.source for r in current)
+    assert len({r.model for r in current}) >= 5 and all(r.flash_attn for r in current)
+    older = [r for r in rows if r.group and not r.group.startswith("metal-8e672efe")]
+    assert older and all(r.date < "2025" for r in older)
+    fits = fit_all(load_rows(), load_spec())
+    assert fits["m2-ultra"].n_decode + fits["m2-ultra"].n_prefill == len(current)
+
+
+def test_a_metal_sliding_window_block_reads_its_window_and_the_gemma_depth0_row_holds():
+    """On Metal, flash attention skips the cache chunks the mask fully masks, so gemma-3's
+    sliding-window blocks read their 1024-cell window, not the window + 2048-cell
+    micro-batch the cache holds (CUDA, the GB10's build, reads that whole view). Charged
+    the whole view, the M2 Ultra's depth-0 gemma-3 tg32 was +20.2 % leave-one-out (its
+    depth 4096-32768 rows dragged the KV rate down); now it is within the target."""
+    from linkctl.devicefit import D_KV, loo_fit, row_features
+
+    rows, spec = load_rows(), load_spec()
+
+    def gemma(device: str, depth: int):
+        return next(
+            r
+            for r in rows
+            if r.device == device and r.model == "gemma-3-4b" and r.test == "tg32"
+            if r.depth == depth
+        )
+
+    m = row_model(gemma("m2-ultra", 0))
+    swa = len(m.swa_layers())
+    full = m.block_count - swa
+    per = m.kv_bytes_per_token_per_layer
+    pos = 8192 + 16
+    mac, spark = gemma("m2-ultra", 8192), gemma("gb10", 8192)
+    assert row_features(mac)[D_KV] == pytest.approx(per * (full * pos + swa * m.sliding_window))
+    cells = m.sliding_window + spark.ubatch
+    assert row_features(spark)[D_KV] == pytest.approx(per * (full * pos + swa * cells))
+    row = gemma("m2-ultra", 0)
+    loo = row.tok_s * row_time_us(row) / predict_us(loo_fit(rows, row, spec), row)
+    assert abs(loo / row.tok_s - 1) <= 0.15

@@ -11,6 +11,7 @@ from ggufshapes import LLAMA_7B, LLAMA_70B, QWEN3_235B_A22B, write_header_only
 from linkctl.catalog import DecodeTerms, Device, PrefillTerms, load_catalog
 from linkctl.errors import InputError
 from linkctl.estimate import (
+    DEFAULT_UBATCH,
     GIB,
     RPC_ROUND_TRIPS_PER_TOKEN,
     RPC_TOKEN_EXTRA_BYTES,
@@ -333,6 +334,37 @@ def test_sliding_window_blocks_read_window_plus_ubatch(tmp_path):
     assert len(swa) == m.block_count // 2 and 0 in swa and 1 not in swa
     assert m.kv_positions(0, 100_000, 512) == 128 + 512
     assert m.kv_positions(1, 100_000, 512) == 100_000
+
+
+def test_metal_flash_attention_reads_only_a_sliding_window_blocks_window():
+    """Metal's flash-attention kernels skip the cache chunks the mask fully masks
+    (ggml-metal.metal, "skip -INF blocks"); CUDA's one-sequence decode runs over the whole
+    view (fattn-common.cuh scans the mask only for >= 1024 queries or several sequences).
+    So a sliding-window block reads its window on an Apple device and window + micro-batch
+    on an NVIDIA one, and the estimate follows the device's family."""
+    from dataclasses import replace
+
+    from linkctl.estimate import skips_masked_kv
+    from linkctl.shapes import model_info
+
+    assert skips_masked_kv("apple") and not skips_masked_kv("apple", flash_attn=False)
+    assert not skips_masked_kv("nvidia") and not skips_masked_kv("cpu")
+    m = model_info("gemma-3-4b", "Q4_0+embd=Q8_0")  # 5 local blocks per global one
+    local, glob = 0, 5
+    assert local in m.swa_layers() and glob not in m.swa_layers()
+    w = m.sliding_window
+    assert m.kv_positions(local, 8192, 2048) == w + 2048
+    assert m.kv_positions(local, 8192, 2048, skips_masked=True) == w
+    assert m.kv_positions(local, 100, 2048, skips_masked=True) == 100
+    assert m.kv_positions(glob, 8192, 2048, skips_masked=True) == 8192
+    mac = next(d for d in load_catalog().values() if d.family == "apple")
+    as_cuda = replace(mac, family="nvidia")
+    parts = [Participant("head", "head", d, 100 * GIB) for d in (mac, as_cuda)]
+    on_mac, on_cuda = (estimate(m, [p], None, ctx=32768, depth=16384).local for p in parts)
+    kv_bytes = m.kv_bytes_per_token_per_layer * len(m.swa_layers()) * DEFAULT_UBATCH
+    read_mac, read_cuda = (s.devices[0].read_bytes_per_token for s in (on_mac, on_cuda))
+    assert read_cuda - read_mac == pytest.approx(kv_bytes, abs=8)
+    assert on_mac.decode_tok_s > on_cuda.decode_tok_s
 
 
 def test_cli_uses_the_saved_probe_report(tmp_path, env):
