@@ -19,7 +19,7 @@ import os
 import select
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # A signal the kernel hands to another thread runs its Python handler only when the main
@@ -62,21 +62,14 @@ class StopFlag:
 
 
 @contextlib.contextmanager
-def stop_on_signals(
-    flag: StopFlag | None = None,
-    on_signal: Callable[[int], None] | None = None,
-) -> Iterator[StopFlag]:
-    """Within the block, SIGTERM and SIGINT set ``flag`` (and call ``on_signal(signum)``,
-    which must take no lock either); the old handlers come back afterwards. A flag
-    made here is closed then: its is_set() and signum stay readable, wait() does not."""
-    own = flag is None
-    flag = flag or StopFlag()
+def stop_on_signals() -> Iterator[StopFlag]:
+    """A StopFlag that SIGTERM and SIGINT set within the block; the old handlers come
+    back afterwards and the flag is closed (its is_set() and signum stay readable)."""
+    flag = StopFlag()
 
     def handler(signum: int, _frame: object) -> None:
         flag.signum = signum
         flag.set()
-        if on_signal is not None:
-            on_signal(signum)
 
     old = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
     try:
@@ -84,5 +77,4 @@ def stop_on_signals(
     finally:
         for sig, h in old.items():
             signal.signal(sig, h)
-        if own:
-            flag.close()
+        flag.close()
