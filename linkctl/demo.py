@@ -378,9 +378,9 @@ class Probe(Step):
             return r, None
         if rec.get("stopped"):
             return r, f"could not run: {rec['stopped']}"
-        failed = [c for c in rec.get("checks", []) if c.get("verdict") == "FAIL"]
+        failed = _failed_text(rec.get("checks", []))
         if failed:
-            return r, "failed: " + ", ".join(_check_text(c) for c in failed)
+            return r, f"failed: {failed}"
         last = (r.stderr.strip() or "no output").splitlines()[-1]
         return r, f"could not run: {last} (exit {r.returncode})"
 
@@ -393,11 +393,10 @@ class Probe(Step):
         first run's outcome is said, kept in the log and in the report."""
         peer = self.peer
         log = ctx.log(f"{self.head}-probe-{peer}.log")
-        r, why = self.attempt(ctx, log)
-        first = None
-        if why is not None:
-            first = why
-            ctx.say(f"     first probe {why}; the lab shares its CPU: probing once more")
+        r, first = self.attempt(ctx, log)
+        why = first
+        if first is not None:
+            ctx.say(f"     first probe {first}; the lab shares its CPU: probing once more")
             text = log.read_text()
             r, why = self.attempt(ctx, log)
             log.write_text(f"{text}\n--- second run ---\n{log.read_text()}")
@@ -415,7 +414,7 @@ class Probe(Step):
         return {
             "peer": peer,
             "ok": rep.ok,
-            "failed": ", ".join(_check_text(c) for c in rep.checks if c["verdict"] == "FAIL"),
+            "failed": _failed_text(rep.checks),
             "first_run": first,  # why the first run did not pass (None: it did)
             "path_mtu": rep.mtu.path_mtu_at_least,
             "rtt_p50_us": tcp1.p50_us,
@@ -429,12 +428,16 @@ class Probe(Step):
         }
 
 
-def _check_text(c: dict[str, Any]) -> str:
-    """'tcp rtt 1 B (7310 vs limit 5000)': a check with its figure and limit."""
-    value, limit = c.get("value"), c.get("threshold")
-    if value is None or limit is None:
-        return str(c.get("name"))
-    return f"{c.get('name')} ({value:g} vs limit {limit:g})"
+def _failed_text(checks: list[dict[str, Any]]) -> str:
+    """'tcp rtt 1 B (7310 vs limit 5000), ...': the failed checks with figure and limit."""
+    out = []
+    for c in checks:
+        if c.get("verdict") != "FAIL":
+            continue
+        value, limit = c.get("value"), c.get("threshold")
+        figures = "" if value is None or limit is None else f" ({value:g} vs limit {limit:g})"
+        out.append(f"{c.get('name')}{figures}")
+    return ", ".join(out)
 
 
 class TinyModel(Step):
