@@ -80,9 +80,9 @@ def main() -> int:
     ap.add_argument("--embd", type=int, default=256)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    from linkctl import lab as labmod
-    from linkctl.profile import load_profile
-    from linkctl.tinymodel import TinySpec, write_tiny_llama
+    from linkctl.core.profile import load_profile
+    from linkctl.gguf.tiny import TinySpec, write_tiny_llama
+    from linkctl.lab import netns as labmod
 
     name, tmp, _state, bins = start("decode", "network namespaces")
     rpc_bin, server_bin = bins.rpc_server.path, bins.llama_server.path
@@ -112,7 +112,7 @@ def main() -> int:
                 "mac",
                 PY,
                 "-c",
-                "import sys; from linkctl.rpc import wait_ready; "
+                "import sys; from linkctl.llama.rpc import wait_ready; "
                 "print(wait_ready(sys.argv[1], int(sys.argv[2]), 30))",
                 dgx_ip,
                 str(port),

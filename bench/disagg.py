@@ -18,7 +18,7 @@ transfer prediction uses. Then for each prompt length, in turn, --runs times:
 
 both streamed, TTFT = first streamed token at the client. Route's response headers
 give the prefill, transfer and restore times and the bytes moved. Predictions come
-from linkctl/disagg_estimate.py with the lab profile (both hosts "cpu").
+from linkctl/estimate/ttft.py with the lab profile (both hosts "cpu").
 
 The lab's two hosts share this machine's CPU, so no speed gain can show here: the
 lab measures correctness and the cost of the transfer. The gain on the real pair is
@@ -72,14 +72,14 @@ def main() -> int:
     import tomli_w
     from route_client import prompt_of
 
-    from linkctl import lab as labmod
-    from linkctl.disagg_estimate import predict
-    from linkctl.estimate import LinkFigures
-    from linkctl.estimate_run import participants
-    from linkctl.gguf_info import read_model
-    from linkctl.profile import load_profile, parse_profile
-    from linkctl.records import status_path
-    from linkctl.tinymodel import TinySpec, write_tiny_llama
+    from linkctl.core.profile import load_profile, parse_profile
+    from linkctl.core.records import status_path
+    from linkctl.estimate.cost import LinkFigures
+    from linkctl.estimate.run import participants
+    from linkctl.estimate.ttft import predict
+    from linkctl.gguf.info import read_model
+    from linkctl.gguf.tiny import TinySpec, write_tiny_llama
+    from linkctl.lab import netns as labmod
 
     name, tmp, _state, _bins = start("disagg", "network namespaces")
     ctx = 8192

@@ -3,7 +3,7 @@
 Needs root (namespaces) and the llama.cpp binaries (scripts/build-llama.sh).
 
 1. A fresh lab (`linkctl lab up --profile dgx-mac`), `linkctl setup` on both ends.
-2. A tiny random-weight llama GGUF (linkctl.tinymodel; F32, 8 layers x 512 wide,
+2. A tiny random-weight llama GGUF (linkctl.gguf.tiny; F32, 8 layers x 512 wide,
    ~110 MB: big enough that a token is memory-bound work, small enough for CI).
 3. --cpu F (default off): dgx's processes (calibrate and its llama.cpp servers,
    then rpc-server) in a child cgroup with a CPU quota of F of one CPU (1 ms per
@@ -13,7 +13,7 @@ Needs root (namespaces) and the llama.cpp binaries (scripts/build-llama.sh).
    decode *rose* with delay, 27.0 -> 30.5 tok/s from 0 to 2 ms at F = 0.6), so
    it is off by default.
 4. ggml-rpc-server on dgx 198.18.100.2:50052; the delay proxy (python -m
-   linkctl.delayproxy) in the dgx namespace on :50053 in front of it, delaying
+   linkctl.lab.delayproxy) in the dgx namespace on :50053 in front of it, delaying
    each direction by D ms; llama-server in the mac namespace with
    --rpc 198.18.100.2:50053 (CPU-only build: every layer is on the rpc device,
    the head keeps the input embeddings).
@@ -90,8 +90,8 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true", help="leave the lab up")
     a = ap.parse_args()
     name, work, _state, bins = start("ea-estimate-accuracy", "network namespaces")
-    from linkctl.lab import load_lab
-    from linkctl.tinymodel import TinySpec, write_tiny_llama
+    from linkctl.gguf.tiny import TinySpec, write_tiny_llama
+    from linkctl.lab.netns import load_lab
 
     procs: list[Proc] = []
     rows = []
@@ -168,7 +168,7 @@ def main() -> int:
                 proxy = Proc(
                     name,
                     "dgx",
-                    [PY, "-m", "linkctl.delayproxy", "--listen", f"{dgx_ip}:50053",
+                    [PY, "-m", "linkctl.lab.delayproxy", "--listen", f"{dgx_ip}:50053",
                      "--target", f"{dgx_ip}:50052", "--delay-ms", str(delay),
                      "--stats-file", str(stats), "--realtime"],
                     work / f"proxy-{delay}-{rnd}.log",

@@ -4,7 +4,7 @@ Writes header-only GGUF files shaped like Llama-2-7B, Llama-3-70B and
 Qwen3-235B-A22B (full tensor infos and a full-size vocabulary, no tensor
 data), plus the 235B file extended to its real size as a sparse file
 (~142 GiB, so the reader would have to skip 142 GiB of data it never reads),
-then times linkctl.gguf_info.read_model on each: the first read in this
+then times linkctl.gguf.info.read_model on each: the first read in this
 process (includes loading gguf's constants) and the median of 5 more.
 
     .venv/bin/python bench/gguf_read.py [--json]
@@ -28,7 +28,7 @@ TARGET_S = 0.5
 
 
 def main() -> int:
-    from linkctl.gguf_info import read_model
+    from linkctl.gguf.info import read_model
 
     rows = []
     with tempfile.TemporaryDirectory() as d:

@@ -53,7 +53,7 @@ sys.exit(1)
 
 RTT = r"""
 import sys
-from linkctl.llama_client import rpc_rtt_us
+from linkctl.llama.client import rpc_rtt_us
 print(rpc_rtt_us(int(sys.argv[2]), 200, host=sys.argv[1]))
 """
 
@@ -66,7 +66,7 @@ def start(prefix: str, why_root: str):
     unless already set). Returns (name, work, state, bins)."""
     import tempfile
 
-    from linkctl.llama import find_bins
+    from linkctl.llama.bins import find_bins
 
     if os.geteuid() != 0:
         raise SystemExit(f"needs root ({why_root})")
@@ -182,11 +182,11 @@ def wait_port(lab: str, host: str, addr: str, port: int, timeout: float = 30) ->
 
 
 def wait_status(path: Path, proc: Proc, timeout: float, what: str, state: str = "ready") -> dict:
-    """Until `linkctl serve`'s status file (linkctl.records: records.status_path(role,
+    """Until `linkctl serve`'s status file (linkctl.core.records: records.status_path(role,
     root=host state dir); route's is a RouteStatus, the rest ServeStatus) says ``state``
     (or the process ends); the status as a dict."""
-    from linkctl.errors import InputError
-    from linkctl.records import load_route_status, load_status
+    from linkctl.core.errors import InputError
+    from linkctl.core.records import load_route_status, load_status
 
     load = load_route_status if path.name == "route.json" else load_status
     deadline = time.monotonic() + timeout

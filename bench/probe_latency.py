@@ -40,8 +40,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from linkctl import lab as labmod
-from linkctl.profile import load_profile
+from linkctl.core.profile import load_profile
+from linkctl.lab import netns as labmod
 
 SOCKPERF_PORT = 11111
 P50_RE = re.compile(r"percentile 50\.000 =\s*([\d.]+)")

@@ -68,8 +68,8 @@ def main() -> None:
     import linkctl
 
     compileall.compile_dir(os.path.dirname(linkctl.__file__), quiet=1)
-    from linkctl import lab as labmod
-    from linkctl.profile import load_profile
+    from linkctl.core.profile import load_profile
+    from linkctl.lab import netns as labmod
 
     prof, _ = load_profile("dgx-mac")
     apply_s, rerun_s, status_s, ip_s, help_s, pass_s = [], [], [], [], [], []

@@ -24,7 +24,7 @@ Case 1, unequal rpc hosts:
    that dgx2's burst is ~10 ms of CPU per token and that saving small against it
    (8 x 512, 110 MB: llama's split measured 5-15% faster than predicted in three
    runs, and the fixed per-token costs and the other jobs weigh more; README).
-3. A tiny random-weight llama GGUF (linkctl.tinymodel; F32, --layers x --embd).
+3. A tiny random-weight llama GGUF (linkctl.gguf.tiny; F32, --layers x --embd).
 4. The real probe from mac to each rpc host (`linkctl responder` there), so the
    head has the saved probe reports `serve` estimates from.
 5. `linkctl calibrate --rpc` on dgx1 and dgx2, each with its threads; its
@@ -87,7 +87,7 @@ def placement(log: str, mpath: str, order: list[str], addr: dict[str, str]) -> l
     llama-server's info log: "load_tensors: RPC0[A:P] model buffer size = X MiB" per
     device (src/llama-model.cpp), divided by the block size from the GGUF header. The
     output layer is the last slot, so it sits on the last device holding any."""
-    from linkctl.gguf_info import read_model
+    from linkctl.gguf.info import read_model
 
     m = read_model(mpath)
     block = m.layer_bytes()[0]
@@ -132,8 +132,8 @@ def main() -> int:
 
     import tomli_w
 
-    from linkctl.lab import load_lab
-    from linkctl.tinymodel import TinySpec, write_tiny_llama
+    from linkctl.gguf.tiny import TinySpec, write_tiny_llama
+    from linkctl.lab.netns import load_lab
 
     procs: list[Proc] = []
     limits: dict[str, CpuLimit] = {}

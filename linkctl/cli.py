@@ -25,18 +25,18 @@ import typer
 
 from linkctl import __version__
 from linkctl.commands import (
+    disagg,
     doctor,
     estimate,
     lab,
     link,
     llama,
     probe,
-    route,
     serve,
     service,
     verify,
 )
-from linkctl.errors import LinkctlError
+from linkctl.core.errors import LinkctlError
 
 app = typer.Typer(
     name="linkctl",
@@ -52,7 +52,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-for module in (link, lab, probe, serve, route, estimate, service, doctor, llama, verify):
+for module in (link, lab, probe, serve, disagg, estimate, service, doctor, llama, verify):
     module.register(app)
 
 
@@ -115,7 +115,7 @@ def main() -> None:
     try:
         cmd(prog_name="linkctl")
     except LinkctlError as e:
-        from linkctl.output import error_line
+        from linkctl.core.output import error_line
 
         error_line(e.line())
         sys.exit(e.exit_code)

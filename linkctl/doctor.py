@@ -1,23 +1,24 @@
 """doctor: one read-only pass over everything that must be true before `linkctl serve`.
 
-Each check is one ``linkctl.checks.Check`` (PASS / WARN / FAIL, or SKIP when a check
+Each check is one ``linkctl.core.checks.Check`` (PASS / WARN / FAIL, or SKIP when a check
 it depends on failed) with the fix for WARN and FAIL. The checks reuse the code that acts on the
 same facts, so doctor and the real commands cannot disagree:
 
-    profile          linkctl.profile (load_profile)
-    host             linkctl.link.identify_host
+    profile          linkctl.core.profile (load_profile)
+    host             linkctl.net.link.identify_host
     interface, speed, duplex, address, mtu
-                     linkctl.checks.nic_checks (what status and probe apply), on the
+                     linkctl.core.checks.nic_checks (what status and probe apply), on the
                      backend's link_facts
-    default route    linkctl.link.status
+    default route    linkctl.net.link.status
     peer <name>      linkctl.probe.peer.check_peer (ARP who-has, pinned MAC)
     llama binaries, rpc protocol, rpc <name>
-                     linkctl.llama (find_bins, local_rpc_protocol, compatible), linkctl.rpc
-    serve auth       linkctl.serve.serve_auth (head: API key or explicit opt-out)
+                     linkctl.llama.bins (find_bins, local_rpc_protocol, compatible),
+                     linkctl.llama.rpc
+    serve auth       linkctl.serve.plan.serve_auth (head: API key or explicit opt-out)
     services         linkctl.service.status
-    probe report     linkctl.serve.probe_gate (head) / records.latest_probe (rpc host)
+    probe report     linkctl.serve.plan.probe_gate (head) / records.latest_probe (rpc host)
     disagg model, slot directory, kv-agent, servers match   (serve.mode = "disaggregated")
-                     linkctl.disagg.doctor_checks (kvxfer.fingerprint, route.compare_servers)
+                     linkctl.disagg.plan.doctor_checks (kvxfer.fingerprint, route.compare_servers)
 
 Doctor changes nothing on the network. What it sends: an ARP who-has for each peer's
 link address, out of the link interface only; from the head, one TCP connection with
@@ -25,7 +26,7 @@ an RPC HELLO to each rpc host's rpc-server endpoint (its link address); in
 disaggregated mode also one kv-agent "model" request and one GET /props to the
 prefill host's link address, and GET /props to the local decode server (127.0.0.1). Learning the
 local build's RPC protocol starts that build's rpc-server on 127.0.0.1 for a moment
-(cached per binary by linkctl.llama). No platform branches here: every network fact
+(cached per binary by linkctl.llama.bins). No platform branches here: every network fact
 comes through the Backend protocol, so the macOS backend answers the same questions.
 """
 
@@ -38,11 +39,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from linkctl.backend import Backend
-from linkctl.checks import Check, Verdict, nic_checks, speed_text
-from linkctl.errors import CheckFailed, ConnectionRefused, InputError
-from linkctl.netstate import LinkStatus
-from linkctl.profile import HostSpec, Profile
+from linkctl.core.checks import Check, Verdict, nic_checks, speed_text
+from linkctl.core.errors import CheckFailed, ConnectionRefused, InputError
+from linkctl.core.profile import HostSpec, Profile
+from linkctl.net.backend import Backend
+from linkctl.net.netstate import LinkStatus
 
 PROBE_FIX = "linkctl probe"
 DEFAULT_PEER_TIMEOUT_S = 2.0
@@ -122,7 +123,7 @@ def check_profile(res: DoctorResult, profile_arg: str | None) -> Profile | None:
 def check_host(
     res: DoctorResult, prof: Profile, backend: Backend, host_arg: str | None
 ) -> HostSpec | None:
-    from linkctl.link import identify_host
+    from linkctl.net.link import identify_host
 
     if host_arg:
         how = "from --host"
@@ -156,7 +157,7 @@ def check_link(
 ) -> LinkStatus | None:
     """Lines for the interface, speed, duplex, address, MTU and default route.
     Returns the status (None when the interface does not exist)."""
-    from linkctl.link import status
+    from linkctl.net.link import status
 
     ifname = host.interface
     try:
@@ -277,7 +278,8 @@ def check_llama(
     timeout_s: float,
     hello: Callable[..., tuple[int, int, int]] | None = None,
 ) -> None:
-    from linkctl import llama, rpc
+    from linkctl.llama import bins as llama
+    from linkctl.llama import rpc
 
     hello = hello or rpc.hello
     bins = llama.find_bins(host.llama_bin_dir)
@@ -382,7 +384,7 @@ def check_serve_auth(res: DoctorResult, prof: Profile, host: HostSpec) -> None:
     `linkctl serve` enforces)."""
     if host.role != "head":
         return
-    from linkctl.serve import serve_auth
+    from linkctl.serve.plan import serve_auth
 
     try:
         auth = serve_auth(prof)
@@ -452,8 +454,8 @@ def check_services(
 def check_probe_report(
     res: DoctorResult, prof: Profile, host: HostSpec, now: float | None = None
 ) -> None:
-    from linkctl.records import latest_probe
-    from linkctl.serve import PROBE_MAX_AGE_S, probe_gate
+    from linkctl.core.records import latest_probe
+    from linkctl.serve.plan import PROBE_MAX_AGE_S, probe_gate
 
     now = now or time.time()
     if host.role == "head":
@@ -515,7 +517,7 @@ def run(
 ) -> DoctorResult:
     """Every check, in order. Never raises for what it finds: bad input is a FAIL line
     with ``bad_input`` set (exit 2), everything else a line."""
-    from linkctl.backend import get_backend
+    from linkctl.net.backend import get_backend
 
     t0 = time.perf_counter()
     res = DoctorResult()
@@ -536,7 +538,7 @@ def run(
     check_llama(res, prof, host, answered, peer_timeout_s, hello)
     check_serve_auth(res, prof, host)
     if prof.serve.mode == "disaggregated":
-        from linkctl.disagg import doctor_checks
+        from linkctl.disagg.plan import doctor_checks
 
         doctor_checks(res, prof, host, answered, peer_timeout_s)
     shown = profile_arg or os.environ.get("LINKCTL_PROFILE") or prof.name

@@ -3,7 +3,7 @@
 
 Reads linkctl/data/published_bench.toml (every row with its source link) and the
 device specs in linkctl/data/devices.toml, fits each device's terms
-(linkctl/devicefit.py: non-negative least squares on relative error, through the
+(linkctl/estimate/devicefit.py: non-negative least squares on relative error, through the
 estimator's own feature code) and writes linkctl/data/devices_fit.toml, which
 `linkctl estimate` loads. Terms a device's rows do not pin are borrowed from its
 family's anchor device and marked "assumed" in that file.
@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from linkctl.catalog import fit_path, load_spec
-from linkctl.devicefit import fit_all, load_rows, render_fit_toml, terms
+from linkctl.estimate.catalog import fit_path, load_spec
+from linkctl.estimate.devicefit import fit_all, load_rows, render_fit_toml, terms
 
 
 def main() -> int:

@@ -19,7 +19,7 @@ import struct
 import sys
 import time
 
-from linkctl.rpc import RpcCmd
+from linkctl.llama.rpc import RpcCmd
 
 FREE, TOTAL = 3 * 2**30, 4 * 2**30
 

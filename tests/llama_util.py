@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 from conftest import IN_CI
 
-from linkctl.runner import stop_process
+from linkctl.core.runner import stop_process
 
 HERE = Path(__file__).resolve().parent
 
 
 def need_llama():
     """The real ggml-rpc-server and llama-server (scripts/build-llama.sh); fail under CI."""
-    from linkctl.llama import find_bins
+    from linkctl.llama.bins import find_bins
 
     bins = find_bins()
     if bins.rpc_server is None or bins.llama_server is None:

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from linkctl.errors import InputError
-from linkctl.macos import MacBackend
-from linkctl.runner import DEFAULT_TIMEOUT, CommandFailed, Result, Runner
+from linkctl.core.errors import InputError
+from linkctl.core.runner import DEFAULT_TIMEOUT, CommandFailed, Result, Runner
+from linkctl.net.macos import MacBackend
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "macos"
 

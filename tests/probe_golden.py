@@ -20,11 +20,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
 
-from linkctl.netstate import LinkFacts
+from linkctl.core.profile import load_profile
+from linkctl.core.runner import Result
+from linkctl.net.netstate import LinkFacts
 from linkctl.probe import run_probe
 from linkctl.probe.report import ProbeReport
-from linkctl.profile import load_profile
-from linkctl.runner import Result
 
 FIXTURES = Path(__file__).parent / "fixtures" / "probe"
 TIME = "2026-12-03T18:00:00+00:00"
@@ -106,7 +106,7 @@ class _Backend:
         return self.facts
 
     def ping_argv(self, address: str, **kw):
-        from linkctl.ping import linux_ping_argv
+        from linkctl.net.ping import linux_ping_argv
 
         return linux_ping_argv(address, **kw)
 
@@ -157,7 +157,7 @@ class _Echo:
 
 def build(name: str) -> ProbeReport:
     """One scenario's report, built by run_probe."""
-    from linkctl import rpc
+    from linkctl.llama import rpc
 
     prof, _ = load_profile("dgx-mac")
     host, peer = prof.host("mac"), prof.host("dgx")
@@ -170,7 +170,7 @@ def build(name: str) -> ProbeReport:
 
     def who_has(*a, **kw):
         if name == "arp-permission":
-            from linkctl.errors import PermissionDenied
+            from linkctl.core.errors import PermissionDenied
 
             raise PermissionDenied(
                 "no permission for raw sockets (ARP)", "run as root or grant CAP_NET_RAW"
@@ -202,7 +202,7 @@ def build(name: str) -> ProbeReport:
         )
 
     with ExitStack() as st:
-        st.enter_context(mock.patch("linkctl.arp.who_has", who_has))
+        st.enter_context(mock.patch("linkctl.net.arp.who_has", who_has))
         clock = iter([100.0, 100.0123])  # the ARP step's start and end: 12.3 ms
         st.enter_context(
             mock.patch("linkctl.probe.peer.time", SimpleNamespace(perf_counter=lambda: next(clock)))
@@ -215,7 +215,7 @@ def build(name: str) -> ProbeReport:
         )
         st.enter_context(mock.patch("linkctl.probe.latency.EchoClient", _Echo))
         st.enter_context(mock.patch("linkctl.probe.socket.create_connection", connect))
-        st.enter_context(mock.patch("linkctl.rpc.query", query))
+        st.enter_context(mock.patch("linkctl.llama.rpc.query", query))
         st.enter_context(mock.patch("linkctl.probe.throughput.busy_wait_s", lambda: 0.0))
         report = run_probe(
             prof,
@@ -244,8 +244,8 @@ SCENARIOS = (
 
 def texts(name: str) -> tuple[str, str]:
     """(what `probe --json` prints, what the state file holds) for one scenario."""
-    from linkctl.output import print_json
-    from linkctl.records import dump
+    from linkctl.core.output import print_json
+    from linkctl.core.records import dump
 
     report = build(name)
     out = io.StringIO()

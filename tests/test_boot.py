@@ -22,11 +22,11 @@ import pytest
 from conftest import need_root_netns, need_tool
 from llama_util import need_llama
 
-from linkctl import boot
-from linkctl import lab as labmod
-from linkctl.profile import load_profile
+from linkctl.core.profile import load_profile
+from linkctl.gguf.tiny import TinySpec, write_tiny_llama
+from linkctl.lab import boot
+from linkctl.lab import netns as labmod
 from linkctl.service import device_unit
-from linkctl.tinymodel import TinySpec, write_tiny_llama
 
 pytestmark = [pytest.mark.netns, pytest.mark.llama]
 

@@ -16,14 +16,14 @@ pytestmark = [pytest.mark.netns, pytest.mark.llama]
 
 
 def test_two_term_solve_recovers_known_terms():
-    from linkctl.calibrate import solve_two_terms
+    from linkctl.calibrate.solve import solve_two_terms
 
     layer_us, bw = 35.0, 12.0  # µs per block, GB/s
     pts = [(b, n, b * layer_us + n / (bw * 1e3)) for b, n in ((24, 63e6), (2, 103e6))]
     got = solve_two_terms(pts)
     assert got == pytest.approx((layer_us, bw), rel=1e-6)
     # A host too busy for the times to follow the bytes: an error, not a negative bandwidth.
-    from linkctl.errors import CheckFailed
+    from linkctl.core.errors import CheckFailed
 
     with pytest.raises(CheckFailed, match="do not rise with the bytes"):
         solve_two_terms([(24, 1e6, 9000.0), (2, 1e8, 10.0)])
@@ -32,13 +32,13 @@ def test_two_term_solve_recovers_known_terms():
 def test_record_from_plan_and_measurements_without_llama(tmp_path):
     """record() alone: measurements made to follow known terms give those terms back,
     the median run is the one kept, and --rpc's figures follow from its runs."""
-    from linkctl.calibrate import record
-    from linkctl.calibrate_measure import Measurements, RpcRuns
-    from linkctl.calibrate_plan import CalibrationPlan, PlannedModel
-    from linkctl.estimate import decode_features
-    from linkctl.gguf_info import read_model
-    from linkctl.llama_client import Timing
-    from linkctl.tinymodel import TinySpec, write_tiny_llama
+    from linkctl.calibrate.measure import Measurements, RpcRuns
+    from linkctl.calibrate.plan import CalibrationPlan, PlannedModel
+    from linkctl.calibrate.solve import record
+    from linkctl.estimate.cost import decode_features
+    from linkctl.gguf.info import read_model
+    from linkctl.gguf.tiny import TinySpec, write_tiny_llama
+    from linkctl.llama.client import Timing
 
     specs = [TinySpec(n_layer=6, n_embd=64, n_ff=128), TinySpec(n_layer=1, n_embd=256, n_ff=512)]
     paths = [write_tiny_llama(tmp_path / f"m{i}.gguf", sp)["path"] for i, sp in enumerate(specs)]
@@ -76,7 +76,7 @@ def test_record_from_plan_and_measurements_without_llama(tmp_path):
 
 def test_cpu_quota_reads_cgroup_v2_and_v1_files(tmp_path):
     """The plan's CPU quota, from files shaped as the kernel writes them."""
-    from linkctl.calibrate_plan import _quota_of
+    from linkctl.calibrate.plan import _quota_of
 
     v2, v1 = tmp_path / "v2", tmp_path / "v1"
     v2.mkdir()
@@ -100,7 +100,7 @@ def test_calibrate_solves_both_decode_terms_and_estimate_uses_them(make_lab, tmp
     per-block cost and bandwidth solved from both; the estimate then predicts the given
     model's per-token time on that host from those two terms."""
     need_llama()
-    from linkctl.tinymodel import TinySpec, write_tiny_llama
+    from linkctl.gguf.tiny import TinySpec, write_tiny_llama
 
     lab = make_lab("dgx-mac")
     data = tomllib.loads(Path(lab.profile_path).read_text())
@@ -195,7 +195,7 @@ def test_calibrate_rpc_on_a_gpu_host(make_lab, tmp_path):
     RPC device with --device, which this llama.cpp build must accept (a CPU build runs
     the same argv; the tiny model keeps it to the small generated pair)."""
     need_llama()
-    from linkctl.tinymodel import TinySpec, write_tiny_llama
+    from linkctl.gguf.tiny import TinySpec, write_tiny_llama
 
     lab = make_lab("dgx-mac")
     data = tomllib.loads(Path(lab.profile_path).read_text())

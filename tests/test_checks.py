@@ -1,17 +1,18 @@
 """One check vocabulary: status, probe and doctor judge the same NIC facts with the
-same rules (linkctl.checks), so for any facts their verdicts agree."""
+same rules (linkctl.core.checks), so for any facts their verdicts agree."""
 
 from __future__ import annotations
 
 import pytest
 from test_probe import _facts
 
-from linkctl import doctor, link
-from linkctl.checks import Check, Verdict, nic_checks
-from linkctl.netstate import LinkFacts, Route
+from linkctl import doctor
+from linkctl.core.checks import Check, Verdict, nic_checks
+from linkctl.core.profile import load_profile
+from linkctl.net import link
+from linkctl.net.netstate import LinkFacts, Route
 from linkctl.probe.nic import check_nic
 from linkctl.probe.report import ProbeReport
-from linkctl.profile import load_profile
 
 PROF = load_profile("dgx-mac")[0]
 HOST = PROF.host("mac")

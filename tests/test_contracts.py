@@ -17,13 +17,13 @@ import pytest
 from macos_replay import backend as mac_backend
 from macos_replay import configured, mac_studio
 
-from linkctl.backend import Backend
-from linkctl.linux import LinuxBackend
-from linkctl.macos import MacBackend
-from linkctl.netstate import LinkFacts, Route
-from linkctl.plan import Change, Effect, Kind, Plan
-from linkctl.profile import load_profile
-from linkctl.runner import Runner
+from linkctl.core.profile import load_profile
+from linkctl.core.runner import Runner
+from linkctl.net.backend import Backend
+from linkctl.net.linux import LinuxBackend
+from linkctl.net.macos import MacBackend
+from linkctl.net.netstate import LinkFacts, Route
+from linkctl.net.plan import Change, Effect, Kind, Plan
 
 OWNERS = {"networkmanager", "systemd-networkd", "networksetup", "none"}
 PROF = load_profile("dgx-mac")[0]
@@ -118,7 +118,7 @@ def test_routes_and_default_route(case):
 
 
 def test_missing_interface_is_an_input_error_naming_the_others(case):
-    from linkctl.errors import InputError
+    from linkctl.core.errors import InputError
 
     b, _, _ = case
     with pytest.raises(InputError) as e:

@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from linkctl.delayproxy import _RpcParser, main
-from linkctl.rpc import RpcCmd
-from linkctl.runner import stop_process
+from linkctl.core.runner import stop_process
+from linkctl.lab.delayproxy import _RpcParser, main
+from linkctl.llama.rpc import RpcCmd
 
 ECHO = r"""
 import socket, sys, threading
@@ -102,7 +102,7 @@ def test_delay_order_and_turns_between_namespaces(make_lab, tmp_path):
                     ns,
                     sys.executable,
                     "-m",
-                    "linkctl.delayproxy",
+                    "linkctl.lab.delayproxy",
                     "--listen",
                     f"{ip}:7001",
                     "--target",
@@ -149,7 +149,7 @@ def _msg(cmd: int, payload: bytes) -> bytes:
 
 def _set_tensor(data: bytes) -> bytes:
     # | rpc_tensor (296) | cache_flag | offset u64 | data |, header bytes all 0xAB
-    from linkctl.delayproxy import SET_TENSOR_HEADER
+    from linkctl.lab.delayproxy import SET_TENSOR_HEADER
 
     return _msg(6, b"\xab" * SET_TENSOR_HEADER + data)
 
@@ -168,7 +168,7 @@ def _diff_bits(a: bytes, b: bytes) -> list[int]:
 
 
 def test_corruption_flips_only_tensor_data_at_the_rate_and_chunking_does_not_matter():
-    from linkctl.delayproxy import SET_TENSOR_HEADER, Corruption
+    from linkctl.lab.delayproxy import SET_TENSOR_HEADER, Corruption
 
     data = bytes(200_000)
     stream = _msg(14, bytes(24)) + _set_tensor(data) + _msg(10, b"\xcd" * 500) + _set_tensor(data)
@@ -195,7 +195,7 @@ def test_corruption_flips_only_tensor_data_at_the_rate_and_chunking_does_not_mat
 
 
 def test_weights_target_stops_at_the_first_graph_compute():
-    from linkctl.delayproxy import Corruption
+    from linkctl.lab.delayproxy import Corruption
 
     data = bytes(50_000)
     stream = _set_tensor(data) + _msg(10, bytes(100)) + _set_tensor(data)
@@ -207,7 +207,7 @@ def test_weights_target_stops_at_the_first_graph_compute():
 
 
 def test_get_tensor_results_are_corrupted_and_other_responses_are_not():
-    from linkctl.delayproxy import Corruption, _ResponseParser
+    from linkctl.lab.delayproxy import Corruption, _ResponseParser
 
     owed = collections.deque()
     c = Corruption("get_tensor", 1e-2, seed=3)
@@ -240,7 +240,7 @@ def test_realtime_is_this_process_only():
     if os.geteuid() != 0 and os.environ.get("CI") != "true":
         pytest.skip("SCHED_FIFO needs root")
     code = (
-        "import os; from linkctl.delayproxy import realtime; "
+        "import os; from linkctl.lab.delayproxy import realtime; "
         "print(realtime(), os.sched_getscheduler(0) == os.SCHED_FIFO)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -202,8 +202,8 @@ def test_interrupt_in_a_fork_never_runs_the_parents_cleanup(tmp_path):
     """pyroute2 forks children and stops them with SIGTERM. With a handler like the
     demo's installed, a fork must die of the signal, not unwind its copy of the stack
     into the parent's cleanup (which once deleted a lab's namespaces under the running
-    demo in CI). linkctl.lab resets such handlers in every fork."""
-    import linkctl.lab  # noqa: F401  (registers the at-fork reset)
+    demo in CI). linkctl.lab.netns resets such handlers in every fork."""
+    import linkctl.lab.netns  # noqa: F401  (registers the at-fork reset)
 
     def raise_interrupt(_sig, _frame):
         raise KeyboardInterrupt

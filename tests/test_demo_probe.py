@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from linkctl.demo import Probe
-from linkctl.errors import CheckFailed
-from linkctl.runner import Result
+from linkctl.core.errors import CheckFailed
+from linkctl.core.runner import Result
+from linkctl.lab.demo import Probe
 
 FIX = Path(__file__).parent / "fixtures" / "probe"
 

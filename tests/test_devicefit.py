@@ -10,8 +10,9 @@ from dataclasses import replace
 import pytest
 from conftest import REPO
 
-from linkctl.catalog import fit_path, load_catalog, load_spec
-from linkctl.devicefit import (
+from linkctl.estimate.catalog import fit_path, load_catalog, load_spec
+from linkctl.estimate.cost import GIB, Participant, estimate
+from linkctl.estimate.devicefit import (
     fit_all,
     load_rows,
     predict_us,
@@ -19,7 +20,6 @@ from linkctl.devicefit import (
     row_model,
     row_time_us,
 )
-from linkctl.estimate import GIB, Participant, estimate
 
 
 def test_fit_script_reproduces_the_shipped_catalog(tmp_path):
@@ -89,8 +89,8 @@ def test_attention_without_flash_attention_reads_kv_once_per_query_head():
     """Without flash attention llama.cpp's mat-vec kernels broadcast K and V over the
     query heads and materialise the F32 KQ row, so a row's KV feature is n_head / n_head_kv
     times the cache bytes plus the KQ passes; with it, the cache bytes. Nothing else moves."""
-    from linkctl.estimate import decode_features
-    from linkctl.shapes import model_info
+    from linkctl.estimate.cost import decode_features
+    from linkctl.gguf.shapes import model_info
 
     m = model_info("llama-3-70b", "Q4_K_M")  # 64 query heads, 8 KV heads, head dim 128
     layers = list(range(m.block_count))
@@ -106,7 +106,7 @@ def test_attention_without_flash_attention_reads_kv_once_per_query_head():
 
 
 def test_a_source_that_does_not_say_whether_it_ran_flash_attention_is_refused(tmp_path):
-    from linkctl.errors import InputError
+    from linkctl.core.errors import InputError
 
     text = (REPO / "linkctl" / "data" / "published_bench.toml").read_text()
     bad = tmp_path / "rows.toml"
@@ -118,7 +118,7 @@ def test_a_source_that_does_not_say_whether_it_ran_flash_attention_is_refused(tm
 def test_prefill_rows_of_one_model_do_not_fit_a_per_micro_batch_cost():
     """A unit whose prompt rows are all one model cannot tell a per-micro-batch cost from
     a FLOPS rate (both grow with the prompt): the cost is the family anchor's, marked."""
-    from linkctl.devicefit import catalog_group
+    from linkctl.estimate.devicefit import catalog_group
 
     rows, spec = load_rows(), load_spec()
     group = catalog_group(rows, "m3-ultra")
@@ -135,7 +135,7 @@ def test_one_row_shape_borrows_the_term_that_explains_less_of_it():
     """Rows of one shape cannot split per-block cost from bandwidth: the fit borrows from
     the family anchor the term that explains less of the row's time and fits the other,
     so the borrowed term's error moves the prediction least."""
-    from linkctl.devicefit import D_BLOCK, D_Q, Prior, fit_decode, loo_fit
+    from linkctl.estimate.devicefit import D_BLOCK, D_Q, Prior, fit_decode, loo_fit
 
     rows, spec = load_rows(), load_spec()
     anchor = fit_all(rows, spec)["m2-ultra"]
@@ -155,7 +155,7 @@ def test_the_m2_ultra_catalog_is_fitted_from_its_current_build_alone():
     """The M2 Ultra's catalog terms come from its 2025-2026 rows (ggerganov's benches file
     and PR #15616, flash attention on); its 2023-2024 builds are fitted apart: mixed in,
     one set of terms cannot hold both (the newer build reads weights faster)."""
-    from linkctl.devicefit import catalog_group
+    from linkctl.estimate.devicefit import catalog_group
 
     rows = [r for r in load_rows() if r.device == "m2-ultra" and not r.exclude]
     assert catalog_group(rows, "m2-ultra") == ""
@@ -175,7 +175,7 @@ def test_a_metal_sliding_window_block_reads_its_window_and_the_gemma_depth0_row_
     micro-batch the cache holds (CUDA, the GB10's build, reads that whole view). Charged
     the whole view, the M2 Ultra's depth-0 gemma-3 tg32 was +20.2 % leave-one-out (its
     depth 4096-32768 rows dragged the KV rate down); now it is within the target."""
-    from linkctl.devicefit import D_KV, loo_fit, row_features
+    from linkctl.estimate.devicefit import D_KV, loo_fit, row_features
 
     rows, spec = load_rows(), load_spec()
 

@@ -10,7 +10,10 @@ from conftest import linkctl
 from ggufshapes import LLAMA_70B, QWEN3_235B_A22B, write_header_only
 from test_estimate import GIB, dev
 
-from linkctl.disagg_estimate import (
+from linkctl.core.errors import InputError
+from linkctl.core.profile import parse_profile
+from linkctl.estimate.cost import LinkFigures, Participant
+from linkctl.estimate.ttft import (
     DISAGG_FIXED_S,
     KV_CELL_EXTRA_BYTES,
     KV_FILE_HEADER_BYTES,
@@ -20,10 +23,7 @@ from linkctl.disagg_estimate import (
     predict_for_profile,
     threshold,
 )
-from linkctl.errors import InputError
-from linkctl.estimate import LinkFigures, Participant
-from linkctl.gguf_info import read_model
-from linkctl.profile import parse_profile
+from linkctl.gguf.info import read_model
 
 LINK = LinkFigures(rtt_us=100.0, throughput_gbps=10.0)
 
@@ -149,7 +149,7 @@ def test_profile_disaggregated_mode_defaults_and_refusals():
 
 
 def test_route_threshold_from_flag_profile_or_estimate(tmp_path, monkeypatch, m70):
-    from linkctl.disagg import resolve_route_config
+    from linkctl.disagg.plan import resolve_route_config
 
     monkeypatch.setenv("LINKCTL_STATE_DIR", str(tmp_path / "state"))  # no probe report
     hosts = [h | {"device": d} for h, d in zip(BASE["hosts"], ("gb10", "m2-ultra"), strict=True)]

@@ -17,9 +17,9 @@ from conftest import PROFILES, linkctl, ns_snapshot
 from llama_util import need_llama, start_fake, stop
 
 from linkctl import doctor
-from linkctl.checks import Check
+from linkctl.core.checks import Check
+from linkctl.core.profile import load_profile
 from linkctl.probe import report as probe_report
-from linkctl.profile import load_profile
 
 KEYS = {"check", "verdict", "value", "detail", "fix"}
 NET = ("interface", "speed", "duplex", "address", "mtu", "default route")
@@ -49,7 +49,7 @@ def verdicts(by: dict, *names: str) -> dict[str, str]:
 
 def snapshots(lab, hosts) -> dict:
     """Each namespace as `ip -j` reads it, and each host's state directory (setup records,
-    probe reports); only linkctl.llama's cache of the local RPC protocol may appear."""
+    probe reports); only linkctl.llama.bins's cache of the local RPC protocol may appear."""
     out = {}
     for h in hosts:
         state = Path(lab.info["root"]) / "hosts" / h
@@ -205,7 +205,7 @@ def _listening(netns: str, port: int, timeout: float = 15.0) -> None:
 HOLD = """
 import socket, struct, sys, time
 s = socket.create_connection(("198.18.100.2", 50052), timeout=5)
-s.sendall(struct.pack("<BQ", 14, 24) + bytes(24))  # HELLO (linkctl.rpc.RpcCmd), 7.x caps
+s.sendall(struct.pack("<BQ", 14, 24) + bytes(24))  # HELLO (linkctl.llama.rpc.RpcCmd), 7.x caps
 n = struct.unpack("<Q", s.recv(8))[0]
 s.recv(n)
 print("held", flush=True)
@@ -295,12 +295,12 @@ def isolated(tmp_path, monkeypatch):
         arp_sent.append((ifname, target))
         return ["aa:bb:cc:00:00:02"]
 
-    monkeypatch.setattr("linkctl.arp.who_has", who_has)
+    monkeypatch.setattr("linkctl.net.arp.who_has", who_has)
     return arp_sent
 
 
 def _hello_refused(calls):
-    from linkctl.errors import ConnectionRefused
+    from linkctl.core.errors import ConnectionRefused
 
     def hello(host, port, timeout):
         calls.append((host, port))
@@ -431,7 +431,7 @@ def test_services_line(isolated, tmp_path):
 def test_llama_lines_without_binaries(isolated, tmp_path, monkeypatch):
     """No llama.cpp build anywhere: the role's binary FAILs with the build fix, and what
     needs it skips (find_bins runs for real, over an empty search path)."""
-    monkeypatch.setattr("linkctl.llama.CACHE_ROOTS", ())
+    monkeypatch.setattr("linkctl.llama.bins.CACHE_ROOTS", ())
     monkeypatch.setenv("LINKCTL_LLAMA_BIN", str(tmp_path))
     monkeypatch.setenv("PATH", str(tmp_path))
     prof = load_profile("dgx-mac")[0]

@@ -17,8 +17,8 @@ import pytest
 from conftest import need_root_netns
 from llama_util import start_fake, stop
 
-from linkctl import errors, rpc
-from linkctl.errors import (
+from linkctl.core import errors
+from linkctl.core.errors import (
     CommandNotFound,
     ConnectionRefused,
     InputError,
@@ -28,8 +28,9 @@ from linkctl.errors import (
     RpcProtocolMismatch,
     Timeout,
 )
-from linkctl.llama import free_port
-from linkctl.runner import Runner
+from linkctl.core.runner import Runner
+from linkctl.llama import rpc
+from linkctl.llama.bins import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -104,7 +105,7 @@ def test_rpc_closed_port_is_connection_refused():
 def _loopback_profile(port: int):
     """The shipped profile with its rpc host on 127.0.0.1:port (built without the
     profile's link-address rule, which a real profile must pass)."""
-    from linkctl.profile import load_profile
+    from linkctl.core.profile import load_profile
 
     prof, _ = load_profile("dgx-mac")
     hosts = [
@@ -122,7 +123,7 @@ def _loopback_profile(port: int):
 
 
 def test_protocol_mismatch_carries_both_versions():
-    from linkctl import serve as sv
+    from linkctl.serve import plan as sv
 
     port = free_port()
     fake = start_fake("v3", port, version="3.0.0")
@@ -145,7 +146,7 @@ def test_serve_wait_refuses_a_mismatch_at_once_and_waits_out_refused():
     protocol mismatch is raised at once; decided by type."""
     import time
 
-    from linkctl import serve as sv
+    from linkctl.serve import plan as sv
 
     port = free_port()
     prof = _loopback_profile(port)
@@ -173,8 +174,8 @@ def test_arp_without_raw_socket_permission_is_permission_denied():
     """As user nobody a raw socket is refused before any packet is sent (loopback)."""
     need_root_netns()
     code = (
-        "from linkctl.arp import who_has\n"
-        "from linkctl.errors import PermissionDenied\n"
+        "from linkctl.net.arp import who_has\n"
+        "from linkctl.core.errors import PermissionDenied\n"
         "try:\n"
         "    who_has('lo', '127.0.0.1', timeout=0.1, tries=1)\n"
         "except PermissionDenied as e:\n"
@@ -242,7 +243,7 @@ def test_no_caller_decides_by_error_message_text():
         for n, line in enumerate(path.read_text().splitlines(), 1):
             if _TEXT_TEST.search(line):
                 hits.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
-    assert hits == [], "decide by the error's type (linkctl/errors.py), not its words:\n" + (
+    assert hits == [], "decide by the error's type (linkctl/core/errors.py), not its words:\n" + (
         "\n".join(hits)
     )
 

@@ -8,9 +8,9 @@ import pytest
 from conftest import PROFILES, linkctl
 from ggufshapes import LLAMA_7B, LLAMA_70B, QWEN3_235B_A22B, write_header_only
 
-from linkctl.catalog import DecodeTerms, Device, PrefillTerms, load_catalog
-from linkctl.errors import InputError
-from linkctl.estimate import (
+from linkctl.core.errors import InputError
+from linkctl.estimate.catalog import DecodeTerms, Device, PrefillTerms, load_catalog
+from linkctl.estimate.cost import (
     DEFAULT_UBATCH,
     GIB,
     RPC_ROUND_TRIPS_PER_TOKEN,
@@ -23,8 +23,8 @@ from linkctl.estimate import (
     scenario,
     slots_from_counts,
 )
-from linkctl.estimate_report import reason
-from linkctl.gguf_info import read_model
+from linkctl.estimate.report import reason
+from linkctl.gguf.info import read_model
 
 
 def dev(
@@ -327,7 +327,7 @@ def test_depth_sets_the_kv_reads_and_ctx_only_the_allocation(models):
 
 
 def test_sliding_window_blocks_read_window_plus_ubatch(tmp_path):
-    from linkctl.shapes import model_info
+    from linkctl.gguf.shapes import model_info
 
     m = model_info("gpt-oss-20b", "MXFP4")
     swa = m.swa_layers()
@@ -344,8 +344,8 @@ def test_metal_flash_attention_reads_only_a_sliding_window_blocks_window():
     on an NVIDIA one, and the estimate follows the device's family."""
     from dataclasses import replace
 
-    from linkctl.estimate import skips_masked_kv
-    from linkctl.shapes import model_info
+    from linkctl.estimate.cost import skips_masked_kv
+    from linkctl.gguf.shapes import model_info
 
     assert skips_masked_kv("apple") and not skips_masked_kv("apple", flash_attn=False)
     assert not skips_masked_kv("nvidia") and not skips_masked_kv("cpu")

@@ -17,8 +17,8 @@ from ggufshapes import (
     write_header_only,
 )
 
-from linkctl.errors import InputError
-from linkctl.gguf_info import read_model
+from linkctl.core.errors import InputError
+from linkctl.gguf.info import read_model
 
 SHAPES = {"7b": LLAMA_7B, "70b": LLAMA_70B, "235b-a22b": QWEN3_235B_A22B}
 
@@ -165,11 +165,11 @@ def test_corrupt_tensor_type(files, tmp_path):
 
 
 def _ti_end(path) -> int:
-    from linkctl.gguf_info import read_header
+    from linkctl.gguf.info import read_header
 
     # read_header's header_size is aligned; find the unaligned end by re-reading.
     with open(path, "rb") as f:
-        import linkctl.gguf_info as gi
+        import linkctl.gguf.info as gi
 
         f.read(4)
         cur = gi._Cursor(f, str(path), os.path.getsize(path))
@@ -190,7 +190,7 @@ def _ti_end(path) -> int:
 
 
 def test_quant_table_matches_independent_values():
-    from linkctl.gguf_info import quant_sizes
+    from linkctl.gguf.info import quant_sizes
 
     q = quant_sizes()
     for t, bs in BLOCK.items():

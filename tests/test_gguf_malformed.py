@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import linkctl
 
-from linkctl.errors import InputError
-from linkctl.gguf_info import read_model
+from linkctl.core.errors import InputError
+from linkctl.gguf.info import read_model
 
 U8, U32, I32, F32, STR, ARR, U64 = 0, 4, 5, 6, 8, 9, 10
 BIG = (1 << 64) - 1

@@ -1,4 +1,4 @@
-"""The link transfer (linkctl/kvxfer.py) on loopback: checksums, resume, refusals."""
+"""The link transfer (linkctl/disagg/kvxfer.py) on loopback: checksums, resume, refusals."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import threading
 
 import pytest
 
-from linkctl import kvxfer
-from linkctl.errors import InputError
+from linkctl.core.errors import InputError
+from linkctl.disagg import kvxfer
 
 LO = ipaddress.IPv4Network("127.0.0.0/8")
 
@@ -117,7 +117,7 @@ def test_fingerprint_tells_files_apart(tmp_path):
 
 
 def test_agent_reports_the_kv_layout_its_server_runs(areas, tmp_path):
-    from linkctl.disagg import kv_layout
+    from linkctl.disagg.plan import kv_layout
 
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF")

@@ -13,7 +13,7 @@ import pytest
 from conftest import linkctl
 from llama_util import HERE, need_llama
 
-from linkctl import llama
+from linkctl.llama import bins as llama
 
 
 def stub_server(d: Path, version: str) -> Path:

@@ -3,7 +3,7 @@
 No Mac is involved: a ReplayRunner answers every argv from tests/fixtures/macos/
 (SOURCES.md there says which outputs are real and which are constructed) and
 records the argv sequence, which these tests assert exactly. The orchestration
-is the real one (linkctl.link.setup/teardown/status), so the transaction,
+is the real one (linkctl.net.link.setup/teardown/status), so the transaction,
 rollback and setup record are exercised as they run on a Mac.
 """
 
@@ -32,10 +32,10 @@ from macos_replay import (
     out,
 )
 
-from linkctl import link
-from linkctl.errors import ApplyError, CheckFailed, InputError, NeedsRoot
-from linkctl.plan import Change
-from linkctl.profile import load_profile, parse_profile
+from linkctl.core.errors import ApplyError, CheckFailed, InputError, NeedsRoot
+from linkctl.core.profile import load_profile, parse_profile
+from linkctl.net import link
+from linkctl.net.plan import Change
 
 # What link_facts(en0) runs on a fresh backend (ports, services and MTU range are
 # then kept for the process); later link_facts calls run `ifconfig en0` only.

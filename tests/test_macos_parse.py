@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from macos_replay import fx
 
-from linkctl.macos_parse import (
+from linkctl.net.macos_parse import (
     HardwarePort,
     MtuRange,
     MtuSetting,

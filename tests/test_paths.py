@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from linkctl.paths import atomic_path, is_published, publish_dir, write_atomic
+from linkctl.core.paths import atomic_path, is_published, publish_dir, write_atomic
 
 
 def test_write_atomic_text_and_bytes_with_mode(tmp_path: Path) -> None:

@@ -24,23 +24,23 @@ from probe_golden import SCENARIOS
 from probe_golden import build as golden_build
 from probe_golden import texts as golden_texts
 
-from linkctl.errors import InputError
-from linkctl.lab import LAB_MIN_THROUGHPUT_GBPS, LAB_RTT_P99_US
-from linkctl.netstate import LinkFacts
-from linkctl.ping import linux_ping_argv, macos_ping_argv, parse_ping
-from linkctl.probe import choose_peers, latency_threshold_us
-from linkctl.probe.latency import stats_us
-from linkctl.probe.nic import check_nic
-from linkctl.probe.report import ProbeReport, save, to_prometheus
-from linkctl.probe.responder import Responder
-from linkctl.profile import load_profile
-from linkctl.records import (
+from linkctl.core.errors import InputError
+from linkctl.core.profile import load_profile
+from linkctl.core.records import (
     LatencyPart,
     ThroughputRun,
     latest_probe_path,
     load_probe,
     probe_path,
 )
+from linkctl.lab.netns import LAB_MIN_THROUGHPUT_GBPS, LAB_RTT_P99_US
+from linkctl.net.netstate import LinkFacts
+from linkctl.net.ping import linux_ping_argv, macos_ping_argv, parse_ping
+from linkctl.probe import choose_peers, latency_threshold_us
+from linkctl.probe.latency import stats_us
+from linkctl.probe.nic import check_nic
+from linkctl.probe.report import ProbeReport, save, to_prometheus
+from linkctl.probe.responder import Responder
 
 FIX = Path(__file__).parent / "fixtures" / "ping"
 
@@ -136,7 +136,7 @@ def _facts(**kw) -> LinkFacts:
 
 
 def test_nic_link_negotiated_at_1g_warns_with_reason():
-    # One rule for status, probe and doctor (linkctl.checks): a slow negotiation is a
+    # One rule for status, probe and doctor (linkctl.core.checks): a slow negotiation is a
     # WARN naming the cause; the probe FAILs on the throughput it then measures.
     prof, _ = load_profile("dgx-mac")
     r = ProbeReport(prof.name, "mac", "dgx", "192.168.100.2")
@@ -189,7 +189,7 @@ def test_typed_parts_keep_probe_json_and_the_saved_file(name):
     as the dict builder did: `probe --json` byte for byte as the builder before the
     parts were typed printed it (tests/fixtures/probe/*.json), the saved file the same
     JSON as it saved (*.saved.json) and now the very bytes --json prints."""
-    from linkctl import records
+    from linkctl.core import records
 
     report = golden_build(name)
     for part, cls in (
@@ -230,7 +230,7 @@ def _read_line(proc: subprocess.Popen, timeout: float) -> str:
 @contextmanager
 def responder(lab, host: str):
     """`linkctl responder --json` in the host's namespace (the argv lab exec uses)."""
-    from linkctl import lab as labmod
+    from linkctl.lab import netns as labmod
 
     argv, env = labmod.exec_argv(
         labmod.load_lab(lab.name), host, ["linkctl", "responder", "--json"]
@@ -280,7 +280,7 @@ def _profile_with_probe(lab, tmp_path, **probe) -> str:
     return str(path)
 
 
-# The lab's p99 limit (linkctl.lab.LAB_RTT_P99_US, why there); the 500 us default is
+# The lab's p99 limit (linkctl.lab.netns.LAB_RTT_P99_US, why there); the 500 us default is
 # for the real link, and test_rtt_limit_is_enforced shows the limit does bite.
 
 
@@ -484,7 +484,7 @@ def test_iperf3_missing_gives_install_hint(lab, tmp_path):
     bindir.mkdir()
     (bindir / "ping").symlink_to("/usr/bin/ping")  # everything the probe needs but iperf3
     with responder(lab, "dgx"):
-        from linkctl import lab as labmod
+        from linkctl.lab import netns as labmod
 
         argv, env = labmod.exec_argv(
             labmod.load_lab(lab.name), "mac", ["linkctl", "probe", "--samples", "100"]
@@ -545,7 +545,7 @@ def _iperf_pids(lab) -> list[int]:
 @pytest.mark.netns
 def test_no_raw_socket_permission_reason(lab):
     _setup(lab)
-    from linkctl import lab as labmod
+    from linkctl.lab import netns as labmod
 
     # As user nobody: the pytest tmp dirs are root-only, so use a world-readable one.
     d = Path(tempfile.mkdtemp(prefix="lkp-nobody-"))

@@ -12,8 +12,8 @@ import pytest
 import tomli_w
 from conftest import PROFILES, linkctl, ns_snapshot
 
-from linkctl.errors import InputError
-from linkctl.profile import load_profile, parse_profile
+from linkctl.core.errors import InputError
+from linkctl.core.profile import load_profile, parse_profile
 
 BASE = tomllib.loads((PROFILES / "dgx-mac.toml").read_text())
 
@@ -40,7 +40,7 @@ def test_shipped_profiles_validate():
 def test_profile_names_search_user_then_system_then_shipped(tmp_path, monkeypatch):
     """--profile NAME: ~/.config/linkctl/profiles, then /etc/linkctl/profiles, then the
     profiles shipped in the package; the first match wins, and a miss names every place."""
-    from linkctl import paths
+    from linkctl.core import paths
 
     monkeypatch.delenv("LINKCTL_PROFILES", raising=False)
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))

@@ -1,4 +1,4 @@
-"""linkctl.records: the typed hand-off records and where they are stored."""
+"""linkctl.core.records: the typed hand-off records and where they are stored."""
 
 from __future__ import annotations
 
@@ -7,10 +7,8 @@ import os
 
 import pytest
 
-from linkctl.errors import InputError
-from linkctl.probe.latency import stats_us
-from linkctl.probe.report import ProbeReport, save
-from linkctl.records import (
+from linkctl.core.errors import InputError
+from linkctl.core.records import (
     SCHEMA_VERSION,
     CalibrationRecord,
     LatencyPart,
@@ -32,6 +30,8 @@ from linkctl.records import (
     save_calibration,
     status_path,
 )
+from linkctl.probe.latency import stats_us
+from linkctl.probe.report import ProbeReport, save
 
 
 @pytest.fixture
@@ -188,7 +188,7 @@ def test_calibrate_refuses_before_measuring_and_writes_nothing(state, tmp_path_f
     started, no generated model or log written (the state dir is byte-for-byte as it was)."""
     from conftest import linkctl
 
-    from linkctl.tinymodel import TinySpec, write_tiny_llama
+    from linkctl.gguf.tiny import TinySpec, write_tiny_llama
 
     model = write_tiny_llama(tmp_path_factory.mktemp("m") / "t.gguf", TinySpec())["path"]
     p = calibration_path()

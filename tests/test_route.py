@@ -64,7 +64,7 @@ def chat(content: str, n: int = 16, **extra) -> dict:
 def test_route_disaggregated_equals_decode_alone_stream_and_fallback(make_lab, tmp_path):
     need_llama()
     lab = make_lab("dgx-mac")
-    from linkctl.tinymodel import TinySpec, write_tiny_llama
+    from linkctl.gguf.tiny import TinySpec, write_tiny_llama
 
     model = write_tiny_llama(
         tmp_path / "tiny.gguf", TinySpec(n_layer=6, n_embd=256, n_ff=512, n_ctx=4096)
@@ -233,7 +233,7 @@ def test_route_disaggregated_equals_decode_alone_stream_and_fallback(make_lab, t
 
 
 def test_compare_servers_names_each_difference():
-    from linkctl.route import compare_servers
+    from linkctl.disagg.route import compare_servers
 
     a = {
         "build_info": "b1-abc",
@@ -251,8 +251,8 @@ def test_compare_servers_names_each_difference():
 
 
 def test_kv_cache_flags_that_differ_are_named():
-    from linkctl.disagg import kv_layout
-    from linkctl.route import compare_kv_layout
+    from linkctl.disagg.plan import kv_layout
+    from linkctl.disagg.route import compare_kv_layout
 
     default = kv_layout(["llama-server"])
     assert default == {"cache_type_k": "f16", "cache_type_v": "f16", "flash_attn": "auto"}

@@ -1,4 +1,4 @@
-"""linkctl.rpc against the real ggml-rpc-server and stand-ins for older protocols.
+"""linkctl.llama.rpc against the real ggml-rpc-server and stand-ins for older protocols.
 
 All traffic on 127.0.0.1 (loopback only, no interface involved).
 """
@@ -14,9 +14,9 @@ import time
 import pytest
 from llama_util import HERE, need_llama, start_fake, stop
 
-from linkctl import rpc
-from linkctl.errors import InputError
-from linkctl.llama import free_port
+from linkctl.core.errors import InputError
+from linkctl.llama import rpc
+from linkctl.llama.bins import free_port
 
 
 @pytest.fixture
@@ -118,7 +118,7 @@ def test_real_server_version_and_memory(real_rpc_server):
     info = rpc.query("127.0.0.1", port, timeout=3)
     assert info.version[0] >= 7 and info.hello_format == "caps"
     assert info.devices and all(0 < d.free <= d.total for d in info.devices)
-    from linkctl.llama import find_bins, local_rpc_protocol
+    from linkctl.llama.bins import find_bins, local_rpc_protocol
 
     assert local_rpc_protocol(find_bins()) == info.version
 

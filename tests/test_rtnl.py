@@ -1,4 +1,4 @@
-"""linkctl.rtnl (the read-only rtnetlink reader behind the Linux backend's facts) reads
+"""linkctl.net.rtnl (the read-only rtnetlink reader behind the Linux backend's facts) reads
 what two independent readers see: pyroute2 and `ip -j`, in a real lab namespace with
 more state than linkctl itself makes (a secondary address, a gatewayed route with a
 metric, a route in another table); its ethtool speed/duplex reads what psutil reads."""
@@ -18,7 +18,7 @@ COMPARE = r"""
 import json, socket
 import psutil
 from pyroute2 import IPRoute
-from linkctl import rtnl
+from linkctl.net import rtnl
 
 ipr = IPRoute()
 def link(l):

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from linkctl.runner import Runner, stop_process
+from linkctl.core.runner import Runner, stop_process
 
 # Prints "ready" once SIGTERM is ignored, so the test never signals it too early.
 IGNORES_TERM = (

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from conftest import PROFILES, linkctl
 
-from linkctl import serve as sv
-from linkctl.errors import CheckFailed, InputError
-from linkctl.llama import Binary, LlamaBins, compatible
-from linkctl.profile import RpcSpec, load_profile
+from linkctl.core.errors import CheckFailed, InputError
+from linkctl.core.profile import RpcSpec, load_profile
+from linkctl.llama.bins import Binary, LlamaBins, compatible
+from linkctl.serve import plan as sv
 
 BINS = LlamaBins(
     rpc_server=Binary("rpc-server", "/opt/llama/bin/ggml-rpc-server", "test"),
@@ -68,7 +68,7 @@ def test_plan_two_rpc_hosts_tensor_split_and_options(tmp_path):
         "cache": True,
         "extra_args": ["--foo"],
     }
-    from linkctl.profile import parse_profile
+    from linkctl.core.profile import parse_profile
 
     prof = parse_profile(data)
     plan = sv.build_plan(prof, prof.head, BINS, model="/m.gguf")
@@ -192,7 +192,7 @@ def test_dry_run_argv_carries_the_recommended_split(split_env):
 def test_recommended_weights_place_layers_exactly_as_predicted(split_env):
     """llama.cpp's rule (float32 cumulative split points) applied to the weights serve
     passes gives back the per-device layer counts the estimate scored."""
-    from linkctl.estimate import llama_slot_devices
+    from linkctl.estimate.cost import llama_slot_devices
 
     env, model = split_env
     plan = json.loads(_dry(env, "--model", model, "--json").stdout)
@@ -311,7 +311,7 @@ def test_protocol_compatibility_rule():
 def _sup(argv, tmp_path, **kw):
     import io
 
-    from linkctl.supervise import ChildSpec, Policy, Supervisor
+    from linkctl.serve.supervise import ChildSpec, Policy, Supervisor
 
     pol = Policy(
         backoff_initial=0.1,
@@ -386,7 +386,7 @@ def test_supervisor_ready_health_restart_and_stop(tmp_path):
 def test_tiny_model_deterministic_and_readable(tmp_path):
     import gguf
 
-    from linkctl.tinymodel import N_VOCAB, TinySpec, write_tiny_llama
+    from linkctl.gguf.tiny import N_VOCAB, TinySpec, write_tiny_llama
 
     a = write_tiny_llama(tmp_path / "a.gguf", TinySpec(n_layer=3, seed=7))
     write_tiny_llama(tmp_path / "b.gguf", TinySpec(n_layer=3, seed=7))
@@ -404,7 +404,7 @@ def test_tiny_model_deterministic_and_readable(tmp_path):
 
 
 def test_binary_discovery_order(tmp_path, monkeypatch):
-    from linkctl.llama import find_bins
+    from linkctl.llama.bins import find_bins
 
     def make(d: Path, *names: str) -> Path:
         d.mkdir(parents=True)

@@ -19,10 +19,10 @@ from test_serve_lab import Serve
 from test_service import LINKCTL, LLAMA, make_target
 
 from linkctl import doctor
-from linkctl import serve as sv
-from linkctl.errors import InputError
-from linkctl.llama import LlamaBins
-from linkctl.profile import parse_profile
+from linkctl.core.errors import InputError
+from linkctl.core.profile import parse_profile
+from linkctl.llama.bins import LlamaBins
+from linkctl.serve import plan as sv
 
 BASE = tomllib.loads((PROFILES / "dgx-mac.toml").read_text())
 KEY = "k3y-0f-the-test-" + "a" * 16
@@ -193,7 +193,7 @@ print(json.dumps(out))
 def test_real_llama_server_refuses_without_the_key_and_answers_with_it(make_lab, tmp_path):
     need_llama()
     lab = make_lab("dgx-mac")
-    from linkctl.tinymodel import TinySpec, write_tiny_llama
+    from linkctl.gguf.tiny import TinySpec, write_tiny_llama
 
     model = write_tiny_llama(tmp_path / "tiny.gguf", TinySpec(n_layer=2, n_embd=64, n_ff=128))
     for h in ("dgx", "mac"):
@@ -279,7 +279,7 @@ def test_service_install_refuses_an_open_api_and_reads_the_key_in_the_root(tmp_p
 
 
 def test_disaggregated_mode_follows_the_same_rule(tmp_path):
-    from linkctl import disagg
+    from linkctl.disagg import plan as disagg
 
     keys = key_file(tmp_path)
     prof = profile(mode="disaggregated", host="0.0.0.0", api_key_file=keys)

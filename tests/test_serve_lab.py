@@ -127,7 +127,7 @@ def complete(lab, n: int, timeout: float = 30) -> dict:
 def test_serve_pair_completion_recovery_and_refusals(make_lab, tmp_path):
     need_llama()
     lab = make_lab("dgx-mac")
-    from linkctl.tinymodel import TinySpec, write_tiny_llama
+    from linkctl.gguf.tiny import TinySpec, write_tiny_llama
 
     model = write_tiny_llama(tmp_path / "tiny.gguf", TinySpec(n_layer=4, n_embd=128, n_ff=256))
     assert model["bytes"] > 0

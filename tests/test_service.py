@@ -22,8 +22,8 @@ from conftest import PROFILES as SHIPPED_PROFILES
 from conftest import linkctl, need_tool, ns_snapshot
 
 from linkctl import service as svc
-from linkctl.profile import load_profile, parse_profile
-from linkctl.runner import stop_process
+from linkctl.core.profile import load_profile, parse_profile
+from linkctl.core.runner import stop_process
 
 PROFILES = ("dgx-mac", "dgx2-mac-switch")
 LINKCTL = "/opt/linkctl/bin/linkctl"
@@ -477,7 +477,7 @@ def test_serve_identity_follows_file_permissions(tmp_path):
 
 
 def _lab_argv(lab, host: str, argv: list[str]) -> tuple[list[str], dict[str, str]]:
-    from linkctl import lab as labmod
+    from linkctl.lab import netns as labmod
 
     return labmod.exec_argv(labmod.load_lab(lab.name), host, argv)
 

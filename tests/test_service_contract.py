@@ -19,10 +19,10 @@ from macos_replay import ReplayRunner, Reply, argv, out
 from test_service import as_os, make_target, target_paths, tree
 
 from linkctl import service as svc
-from linkctl.errors import InputError
-from linkctl.plan import FAULT_ENV
-from linkctl.profile import load_profile
-from linkctl.runner import Runner
+from linkctl.core.errors import InputError
+from linkctl.core.profile import load_profile
+from linkctl.core.runner import Runner
+from linkctl.net.plan import FAULT_ENV
 from linkctl.service.launchd import Launchd
 from linkctl.service.manager import ServiceManager, UnitStatus, manager_for
 from linkctl.service.systemd import Systemd

@@ -13,13 +13,13 @@ import sys
 import threading
 import time
 
-from linkctl.stopflag import StopFlag, stop_on_signals
+from linkctl.core.stopflag import StopFlag, stop_on_signals
 
 # The main thread spins on wait(0) (it is inside wait() nearly all the time, so the
 # signal lands there); a thread sends SIGTERM to the process after 50 ms.
 SPIN = r"""
 import os, signal, sys, threading, time
-from linkctl.stopflag import stop_on_signals
+from linkctl.core.stopflag import stop_on_signals
 def kill():
     time.sleep(0.05)
     os.kill(os.getpid(), signal.SIGTERM)
@@ -41,7 +41,7 @@ print("stopped")
 # the main thread waits with no timeout.
 OTHER_THREAD = r"""
 import signal, threading, time
-from linkctl.stopflag import stop_on_signals
+from linkctl.core.stopflag import stop_on_signals
 with stop_on_signals() as flag:
     t = threading.Thread(target=time.sleep, args=(5,), daemon=True)
     t.start()

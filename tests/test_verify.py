@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from linkctl.verify import (
+from linkctl.serve.verify import (
     TOLERANCES,
     Device,
     Step,
@@ -110,7 +110,7 @@ def test_parse_probs_reads_llama_server_shape_and_nulls():
     assert s[0].token == 68 and s[0].top == {68: -0.25} and s[0].text == "a"
     assert math.isnan(s[1].logprob)
     assert s[2].logprob == -math.inf  # log(0) arrives as the lowest float
-    from linkctl.errors import CheckFailed
+    from linkctl.core.errors import CheckFailed
 
     with pytest.raises(CheckFailed, match="without completion_probabilities"):
         parse_probs({"content": "x"})
@@ -141,7 +141,7 @@ def test_another_split_moves_layers_and_says_where():
     devs = [Device("RPC0", "h:1", 1000), Device("Metal", "M2", 1000)]
     argv, ref, split = another_split(base, 6, devs)
     assert argv[-2] == "-ts" and ref != split
-    from linkctl.errors import InputError
+    from linkctl.core.errors import InputError
 
     with pytest.raises(InputError, match="no layer on a split device"):
         another_split([*base, "-ngl", "0"], 6, devs)
@@ -177,7 +177,7 @@ def _proxy(lab, ip: str, stats: Path, *corrupt: str) -> subprocess.Popen:
             lab.netns("dgx"),
             sys.executable,
             "-m",
-            "linkctl.delayproxy",
+            "linkctl.lab.delayproxy",
             "--listen",
             f"{ip}:{PROXY_PORT}",
             "--target",

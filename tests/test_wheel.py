@@ -198,7 +198,9 @@ def test_every_module_imports_without_pyroute2(installed, tmp_path):
 REPLAY = """
 sys.path.insert(0, {tests!r})
 import macos_replay as mr
-from linkctl import backend, cli, link
+from linkctl import cli
+from linkctl.net import backend
+from linkctl.net import link
 
 runner = mr.mac_studio(order={order!r})
 backend.get_backend = lambda os_name=None, runner_=None: mr.backend(runner)
@@ -218,7 +220,8 @@ with open({out!r}, "w") as f:
         "changes": runner.changes(),
         "unexpected": [list(a) for a in runner.unexpected],
         "linux_modules": sorted(m for m in sys.modules
-                                if m in ("linkctl.linux", "linkctl.rtnl", "linkctl.lab")
+                                if m in ("linkctl.net.linux", "linkctl.net.rtnl",
+                                         "linkctl.lab.netns")
                                 or m.split(".")[0] == "pyroute2"),
     }}, f)
 """
@@ -256,7 +259,7 @@ def test_the_lab_refuses_off_linux(monkeypatch):
     from typer.testing import CliRunner
 
     from linkctl.cli import app
-    from linkctl.errors import InputError
+    from linkctl.core.errors import InputError
 
     monkeypatch.setattr(sys, "platform", "darwin")
     # `lab down` of a lab that does not exist: harmless even if the guard were gone.

@@ -31,15 +31,15 @@ DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan; chan
 
 
 def load(profile: str | None):
-    from linkctl.profile import load_profile
+    from linkctl.core.profile import load_profile
 
     return load_profile(profile or os.environ.get("LINKCTL_PROFILE") or DEFAULT_PROFILE)
 
 
 def load_with_host(profile: str | None, host: str | None, backend=None):
     """(profile, host spec, backend) for commands that act on this machine."""
-    from linkctl.backend import get_backend
-    from linkctl.link import identify_host
+    from linkctl.net.backend import get_backend
+    from linkctl.net.link import identify_host
 
     prof, _path = load(profile)
     backend = backend or get_backend()

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from linkctl.commands.common import HostOpt, JsonOpt, ProfileOpt
-from linkctl.output import console, print_json, verdict_lines
+from linkctl.core.output import console, print_json, verdict_lines
 
 
 def _render(res) -> None:

@@ -112,7 +112,7 @@ def register(app: typer.Typer) -> None:
 
         Example: linkctl estimate --model /models/qwen3-235b-q4.gguf --ctx 32768 --depth 8192
         """
-        from linkctl.estimate_run import run_estimate
+        from linkctl.estimate.run import run_estimate
 
         prof, _ = load(profile)
         est = run_estimate(
@@ -130,7 +130,7 @@ def register(app: typer.Typer) -> None:
         )
         de = None
         if prof.rpc_hosts:
-            from linkctl.disagg_estimate import predict_for_profile
+            from linkctl.estimate.ttft import predict_for_profile
 
             de = predict_for_profile(
                 prof,
@@ -143,10 +143,10 @@ def register(app: typer.Typer) -> None:
                 calibration=calibration or [],
                 ctx=ctx,
             )
-        from linkctl import estimate_report as report
+        from linkctl.estimate import report
 
         if json_out:
-            from linkctl.output import print_json
+            from linkctl.core.output import print_json
 
             print_json(report.as_json(est, de))
         else:
@@ -221,8 +221,8 @@ def register(app: typer.Typer) -> None:
 
         Add --dry-run first to see what it will run and where the result goes.
         """
-        from linkctl.calibrate_plan import plan, render_plan
-        from linkctl.output import print_json
+        from linkctl.calibrate.plan import plan, render_plan
+        from linkctl.core.output import print_json
 
         prof, _ = load(profile)
         p = plan(
@@ -241,9 +241,9 @@ def register(app: typer.Typer) -> None:
             else:
                 render_plan(p)
             return
-        from linkctl.calibrate import as_json, record, render_calibration
-        from linkctl.calibrate_measure import measure
-        from linkctl.records import save_calibration
+        from linkctl.calibrate.measure import measure
+        from linkctl.calibrate.solve import as_json, record, render_calibration
+        from linkctl.core.records import save_calibration
 
         rec = record(p, measure(p, say=_say_calibrate))
         out = as_json(rec, save_calibration(p.host, rec))

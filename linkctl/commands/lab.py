@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from linkctl.commands.common import JsonOpt, ProfileOpt, load
-from linkctl.output import console, print_json
+from linkctl.core.output import console, print_json
 
 lab_app = typer.Typer(
     help="Network namespaces that stand in for the profile's hosts (198.18.0.0/15 only).",
@@ -22,7 +22,7 @@ def _linux_only() -> None:
     # Network namespaces and pyroute2 exist only on Linux (pyroute2 is not installed
     # elsewhere: see its environment marker in pyproject.toml).
     if not sys.platform.startswith("linux"):
-        from linkctl.errors import InputError
+        from linkctl.core.errors import InputError
 
         raise InputError(
             f"linkctl lab needs Linux network namespaces; this is {sys.platform}",
@@ -38,7 +38,7 @@ def lab_up(profile: ProfileOpt = None, name: NameOpt = "lab", json_: JsonOpt = F
       linkctl lab up --profile dgx-mac
       linkctl lab exec dgx -- linkctl setup
     """
-    from linkctl import lab
+    from linkctl.lab import netns as lab
 
     prof, _ = load(profile)
     lb = lab.up(prof, name)
@@ -59,7 +59,7 @@ def lab_up(profile: ProfileOpt = None, name: NameOpt = "lab", json_: JsonOpt = F
 @lab_app.command("down")
 def lab_down(name: NameOpt = "lab", json_: JsonOpt = False) -> None:
     """Stop every process in the lab's namespaces and remove them (idempotent)."""
-    from linkctl import lab
+    from linkctl.lab import netns as lab
 
     removed = lab.down(name)
     if json_:
@@ -75,7 +75,7 @@ def lab_down(name: NameOpt = "lab", json_: JsonOpt = False) -> None:
 @lab_app.command("show")
 def lab_show(name: NameOpt = "lab", json_: JsonOpt = False) -> None:
     """Show a running lab."""
-    from linkctl import lab
+    from linkctl.lab import netns as lab
 
     lb = lab.load_lab(name)
     if json_:
@@ -100,7 +100,7 @@ def lab_exec(
     """
     import subprocess
 
-    from linkctl import lab
+    from linkctl.lab import netns as lab
 
     argv, env = lab.exec_argv(lab.load_lab(name), host, list(ctx.args))
     # Passthrough: the command talks to the user's terminal directly.
@@ -139,7 +139,7 @@ def lab_demo(
       linkctl lab demo --profile dgx2-mac-switch --json
       linkctl lab demo --rate 1gbit --delay-ms 0.5
     """
-    from linkctl.demo import Demo, DemoOptions
+    from linkctl.lab.demo import Demo, DemoOptions
 
     prof, _ = load(profile)
     opts = DemoOptions(
@@ -259,8 +259,8 @@ def lab_boot(
     """
     import time
 
-    from linkctl import boot
-    from linkctl.errors import InputError
+    from linkctl.core.errors import InputError
+    from linkctl.lab import boot
 
     prof, _ = load(profile)
 

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from linkctl.commands.common import DryRunOpt, HostOpt, JsonOpt, ProfileOpt, load, load_with_host
-from linkctl.output import console, print_json, verdict
+from linkctl.core.output import console, print_json, verdict
 
 profile_app = typer.Typer(help="Validate and show profiles.", no_args_is_help=True)
 
@@ -41,7 +41,7 @@ def profile_check(
 @profile_app.command("list")
 def profile_list(json_: JsonOpt = False) -> None:
     """List the profiles linkctl can find by name."""
-    from linkctl.paths import profile_dirs
+    from linkctl.core.paths import profile_dirs
 
     found = [str(f) for d in profile_dirs() if d.is_dir() for f in sorted(d.glob("*.toml"))]
     if json_:
@@ -81,7 +81,7 @@ def _say(message: str) -> None:
 
 
 def _carrier_after_setup(link, backend, ifname: str, timeout: float) -> None:
-    from linkctl.errors import CheckFailed, InputError
+    from linkctl.core.errors import CheckFailed, InputError
 
     try:
         link.wait_for_link_carrier(backend, ifname, timeout, log=_say)
@@ -120,7 +120,7 @@ def register(app: typer.Typer) -> None:
           linkctl setup --profile dgx-mac --host dgx --json
           linkctl setup --profile dgx-mac --host mac --wait-carrier 120   # launchd at boot
         """
-        from linkctl import link
+        from linkctl.net import link
 
         prof, h, backend = load_with_host(profile, host)
         waited = None
@@ -141,7 +141,7 @@ def register(app: typer.Typer) -> None:
 
         Example: linkctl teardown --profile dgx-mac --dry-run
         """
-        from linkctl import link
+        from linkctl.net import link
 
         prof, h, backend = load_with_host(profile, host)
         _render_result(link.teardown(prof, h, backend, dry_run=dry_run), json_)
@@ -152,7 +152,7 @@ def register(app: typer.Typer) -> None:
 
         Example: linkctl status --json
         """
-        from linkctl import link
+        from linkctl.net import link
 
         prof, h, backend = load_with_host(profile, host)
         st = link.status(prof, h, backend)

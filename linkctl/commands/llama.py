@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from linkctl.commands.common import JsonOpt, ProfileOpt
-from linkctl.output import console, print_json, warn_line
+from linkctl.core.output import console, print_json, warn_line
 
 llama_app = typer.Typer(help="The llama.cpp binaries linkctl finds and runs.", no_args_is_help=True)
 
@@ -51,7 +51,7 @@ def llama_find(
       linkctl llama find --profile dgx-mac --host dgx --json
     """
     from linkctl.commands.common import load
-    from linkctl.llama import candidates
+    from linkctl.llama.bins import candidates
 
     directory = str(bin_dir) if bin_dir else None
     if host and not directory:

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from linkctl.commands.common import HostOpt, JsonOpt, ProfileOpt, load_with_host
-from linkctl.output import console, print_json, verdict
+from linkctl.core.output import console, print_json, verdict
 
 
 def _fmt(v: object) -> str:

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from linkctl.commands.common import DryRunOpt, HostOpt, JsonOpt, ProfileOpt, load_with_host
-from linkctl.output import console, print_json, warn_line
+from linkctl.core.output import console, print_json, warn_line
 
 model_app = typer.Typer(help="Model files for tests and the lab.", no_args_is_help=True)
 
@@ -26,7 +26,7 @@ def write_tiny(
 
     Example: linkctl model write-tiny /tmp/tiny.gguf --layers 4
     """
-    from linkctl.tinymodel import TinySpec, write_tiny_llama
+    from linkctl.gguf.tiny import TinySpec, write_tiny_llama
 
     info = write_tiny_llama(path, TinySpec(n_layer=layers, n_embd=embd, n_ff=ff, seed=seed))
     if json_:
@@ -42,10 +42,10 @@ def write_tiny(
 def verify_gate(prof, bins, model: str | None, wait: float, choice=None) -> None:
     """`linkctl verify` on the served model and split before llama-server starts; a FAIL
     stops here."""
-    from linkctl import rpc
     from linkctl.commands.verify import say
-    from linkctl.errors import CheckFailed
-    from linkctl.verify import VerifyOptions, verify
+    from linkctl.core.errors import CheckFailed
+    from linkctl.llama import rpc
+    from linkctl.serve.verify import VerifyOptions, verify
 
     for h in prof.rpc_hosts:  # the rpc hosts may still be starting, as run_head allows
         rpc.wait_ready(h.rpc_bind, h.rpc.port, wait)
@@ -131,8 +131,8 @@ def register(app: typer.Typer) -> None:
           linkctl serve --profile dgx-mac --host dgx
           linkctl serve --host mac --model /models/m.gguf
         """
-        from linkctl import serve as sv
-        from linkctl.llama import find_bins
+        from linkctl.llama.bins import find_bins
+        from linkctl.serve import plan as sv
 
         prof, h, backend = load_with_host(profile, host)
         bins = find_bins(h.llama_bin_dir)
@@ -142,7 +142,7 @@ def register(app: typer.Typer) -> None:
 
         if prof.serve.mode == "disaggregated":
             if verify or prof.serve.verify:
-                from linkctl.errors import InputError
+                from linkctl.core.errors import InputError
 
                 raise InputError(
                     "--verify / serve.verify checks a layer split, and serve.mode = "
@@ -204,8 +204,8 @@ def _serve_disaggregated(prof, h, backend, bins, model, skip_probe, dry_run, jso
     the kv-agent on its link address; the head runs the decode llama-server and route."""
     import sys
 
-    from linkctl import disagg
-    from linkctl import serve as sv
+    from linkctl.disagg import plan as disagg
+    from linkctl.serve import plan as sv
 
     # route listens on serve.host: the same API rule as the split mode; the prefill
     # host's llama-server reads the same key file (its path, on that host).
@@ -232,7 +232,7 @@ def _serve_disaggregated(prof, h, backend, bins, model, skip_probe, dry_run, jso
     bins.need("llama-server")
     if h.role != "head":
         if h.name != prof.prefill_host.name:
-            from linkctl.errors import InputError
+            from linkctl.core.errors import InputError
 
             raise InputError(
                 f"{h.name} is not serve.disagg.prefill_host ({prof.prefill_host.name})",

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from linkctl.commands.common import DryRunOpt, HostOpt, JsonOpt, ProfileOpt, load
-from linkctl.output import console, print_json, verdict
+from linkctl.core.output import console, print_json, verdict
 
 service_app = typer.Typer(
     help="Boot-time services that bring the link and the llama.cpp pair up by themselves.",
@@ -104,9 +104,9 @@ def service_install(
     import os
 
     from linkctl import service as svc
-    from linkctl.backend import get_backend
-    from linkctl.errors import InputError
-    from linkctl.link import identify_host
+    from linkctl.core.errors import InputError
+    from linkctl.net.backend import get_backend
+    from linkctl.net.link import identify_host
 
     prof, path = load(profile)
     try:

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from linkctl.commands.common import DryRunOpt, HostOpt, JsonOpt, ProfileOpt, load_with_host
-from linkctl.output import console, print_json, verdict_lines
+from linkctl.core.output import console, print_json, verdict_lines
 
 ModelOpt = Annotated[
     str | None,
@@ -48,7 +48,7 @@ def render(rep) -> None:
 
 def run_verify(prof, opts, bins, *, json_: bool = False, dry_run: bool = False) -> int:
     """Run, print (lines or JSON), return the exit code; shared with `serve --verify`."""
-    from linkctl.verify import verify
+    from linkctl.serve.verify import verify
 
     rep = verify(prof, opts, bins, say=say, dry_run=dry_run)
     if json_:
@@ -115,12 +115,12 @@ def register(app: typer.Typer) -> None:
           linkctl verify --reference split --dry-run
           linkctl verify --split llama
         """
-        from linkctl.llama import find_bins
-        from linkctl.verify import VerifyOptions
+        from linkctl.llama.bins import find_bins
+        from linkctl.serve.verify import VerifyOptions
 
         prof, h, _backend = load_with_host(profile, host)
         if h.role != "head":
-            from linkctl.errors import InputError
+            from linkctl.core.errors import InputError
 
             raise InputError(
                 f"verify runs on the head ({prof.head.name}); this host is {h.name} ({h.role})",

@@ -8,7 +8,7 @@ rest meaningless stops the probe with a one-line reason:
 3. path MTU, DF echo (probe.mtu)     mismatch: FAIL, continue (TCP adapts)
 4. TCP RTT + ICMP RTT (probe.latency) responder unreachable: stop, exit 2
 5. iperf3 both ways, P1 and P4 (probe.throughput) cannot run: stop, exit 2
-6. llama.cpp RPC HELLO + device memory (linkctl.rpc) nothing listening: SKIP
+6. llama.cpp RPC HELLO + device memory (linkctl.llama.rpc) nothing listening: SKIP
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from linkctl.errors import InputError
+from linkctl.core.errors import InputError
+from linkctl.core.profile import HostSpec, Profile
+from linkctl.core.records import RpcPart
 from linkctl.probe.report import ProbeReport
-from linkctl.profile import HostSpec, Profile
-from linkctl.records import RpcPart
 
 __all__ = ["ProbeReport", "choose_peers", "run_probe"]
 
@@ -177,9 +177,9 @@ def _check_rpc(report: ProbeReport, peer: HostSpec, timeout_s: float) -> None:
         report.add("rpc", "SKIP", None, None, f"{peer.name} is the head: no rpc-server to ask")
         return
     try:
-        from linkctl import rpc
+        from linkctl.llama import rpc
     except ImportError:
-        report.add("rpc", "SKIP", None, None, "linkctl.rpc not available")
+        report.add("rpc", "SKIP", None, None, "linkctl.llama.rpc not available")
         return
     addr, port = peer.rpc_bind, peer.rpc.port
     try:

@@ -14,8 +14,8 @@ import statistics
 import time
 from typing import Any
 
+from linkctl.core.records import ResponderInfo, RttStats
 from linkctl.probe.responder import SERVICE
-from linkctl.records import ResponderInfo, RttStats
 
 SIZES = (1, 32 * 1024, 128 * 1024)
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from linkctl.ping import PingSummary, argv_deadline, parse_ping
+from linkctl.core.profile import HostSpec
+from linkctl.core.records import IcmpStats, MtuPart
+from linkctl.net.ping import PingSummary, argv_deadline, parse_ping
 from linkctl.probe.report import ProbeReport
-from linkctl.profile import HostSpec
-from linkctl.records import IcmpStats, MtuPart
 
 IP_ICMP_HEADERS = 28
 FALLBACK_MTUS = (1500,)  # what a mismatched end most likely runs at

@@ -9,10 +9,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from linkctl.checks import Verdict, nic_checks
+from linkctl.core.checks import Verdict, nic_checks
+from linkctl.core.profile import HostSpec, Profile
+from linkctl.core.records import NicPart
 from linkctl.probe.report import ProbeReport
-from linkctl.profile import HostSpec, Profile
-from linkctl.records import NicPart
 
 
 def counters(ifname: str) -> dict[str, int] | None:
@@ -25,7 +25,7 @@ def counters(ifname: str) -> dict[str, int] | None:
 
 
 def check_nic(report: ProbeReport, profile: Profile, host: HostSpec, backend: Any) -> bool:
-    """Add the NIC checks (linkctl.checks, the ones status and doctor apply); False when
+    """Add the NIC checks (linkctl.core.checks, the ones status and doctor apply); False when
     the link cannot carry anything (stop the probe)."""
     facts = backend.link_facts(host.interface)  # missing interface: InputError naming others
     report.nic = NicPart(**facts.as_dict(), counters=counters(host.interface))

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import time
 
-from linkctl.errors import PermissionDenied
+from linkctl.core.errors import PermissionDenied
+from linkctl.core.profile import HostSpec
+from linkctl.core.records import ArpPart
 from linkctl.probe.report import ProbeReport
-from linkctl.profile import HostSpec
-from linkctl.records import ArpPart
 
 
 def check_peer(report: ProbeReport, host: HostSpec, peer: HostSpec, timeout_s: float) -> bool:
     """ARP who-has the peer from our link address; False stops the probe."""
-    from linkctl.arp import who_has
+    from linkctl.net.arp import who_has
 
     tries = 3
     t0 = time.perf_counter()

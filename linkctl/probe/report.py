@@ -1,9 +1,9 @@
 """The probe report: checks with verdicts plus every raw figure; JSON, Prometheus, on disk.
 
-Each probe step builds its typed part (``linkctl.records``: NicPart, ArpPart, MtuPart,
+Each probe step builds its typed part (``linkctl.core.records``: NicPart, ArpPart, MtuPart,
 LatencyPart, ThroughputRun, RpcPart) and sets it here; ``to_record`` puts those same
 parts into the ``ProbeRecord`` that `probe --json` prints and ``estimate``, ``serve`` and
-``doctor`` read back, stored where ``linkctl.records`` says.
+``doctor`` read back, stored where ``linkctl.core.records`` says.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from linkctl.checks import Check
-from linkctl.errors import InputError
-from linkctl.paths import write_atomic
-from linkctl.records import (
+from linkctl.core.checks import Check
+from linkctl.core.errors import InputError
+from linkctl.core.paths import write_atomic
+from linkctl.core.records import (
     ArpPart,
     LatencyPart,
     MtuPart,
@@ -95,12 +95,12 @@ class ProbeReport:
         return self.to_record().model_dump(exclude_unset=True)
 
 
-# ---- on disk (linkctl.records owns where and how) ---------------------------------
+# ---- on disk (linkctl.core.records owns where and how) ---------------------------------
 
 
 def save(report: ProbeReport) -> Path:
     """Write the per-peer file and latest.json; returns the per-peer path."""
-    from linkctl.records import save_probe
+    from linkctl.core.records import save_probe
 
     return save_probe(report.to_record())
 

@@ -22,9 +22,9 @@ import subprocess
 import threading
 from typing import Any
 
-from linkctl.errors import InputError
-from linkctl.runner import Runner, default_runner, stop_process
-from linkctl.stopflag import stop_on_signals
+from linkctl.core.errors import InputError
+from linkctl.core.runner import Runner, default_runner, stop_process
+from linkctl.core.stopflag import stop_on_signals
 
 log = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ import random
 import time
 from collections.abc import Callable
 
-from linkctl.errors import InputError
+from linkctl.core.errors import InputError
+from linkctl.core.records import ThroughputRun
+from linkctl.core.runner import Runner
 from linkctl.probe.responder import IPERF_HINT
-from linkctl.records import ThroughputRun
-from linkctl.runner import Runner
 
 RUNS = (("fwd_p1", False, 1), ("rev_p1", True, 1), ("fwd_p4", False, 4), ("rev_p4", True, 4))
 # Both hosts' boot gates probe each other at the same moment (after a boot or a

@@ -31,9 +31,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from linkctl.errors import InputError
-from linkctl.profile import HostSpec, Profile
-from linkctl.runner import Runner, default_runner
+from linkctl.core.errors import InputError
+from linkctl.core.profile import HostSpec, Profile
+from linkctl.core.runner import Runner, default_runner
 from linkctl.service.manager import (
     FileAction,
     ServiceManager,
@@ -185,7 +185,7 @@ def run_live(runner: Runner, argv: list[str]) -> None:
         return
     tolerated = argv[:2] in (["launchctl", "bootout"], ["launchctl", "bootstrap"])
     if not tolerated:
-        from linkctl.runner import CommandFailed
+        from linkctl.core.runner import CommandFailed
 
         raise CommandFailed(r)
 

@@ -19,8 +19,8 @@ from linkctl.service.render import (
 )
 
 if TYPE_CHECKING:
-    from linkctl.profile import HostSpec, Profile
-    from linkctl.runner import Runner
+    from linkctl.core.profile import HostSpec, Profile
+    from linkctl.core.runner import Runner
     from linkctl.service.render import ServicePaths
 
 

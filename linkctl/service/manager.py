@@ -7,8 +7,8 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from linkctl.profile import HostSpec, Profile
-    from linkctl.runner import Runner
+    from linkctl.core.profile import HostSpec, Profile
+    from linkctl.core.runner import Runner
     from linkctl.service.render import ServicePaths
 
 
@@ -76,7 +76,7 @@ def manager_named(name: str) -> ServiceManager:
         from linkctl.service.launchd import Launchd
 
         return Launchd()
-    from linkctl.errors import InputError
+    from linkctl.core.errors import InputError
 
     raise InputError(f"unknown service manager {name!r} in the manifest", "remove it and re-run")
 

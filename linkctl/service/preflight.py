@@ -10,9 +10,9 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from linkctl.errors import InputError
-from linkctl.llama import RPC_NAMES
-from linkctl.profile import HostSpec, Profile
+from linkctl.core.errors import InputError
+from linkctl.core.profile import HostSpec, Profile
+from linkctl.llama.bins import RPC_NAMES
 from linkctl.service.manager import manager_for
 from linkctl.service.render import ServicePaths
 
@@ -36,7 +36,7 @@ def default_linkctl_bin() -> str:
 def default_llama_bin_dir(host: HostSpec) -> str | None:
     """Where `linkctl serve` would find this host's server binary now (pinned in the unit)."""
     try:
-        from linkctl.llama import find_bins
+        from linkctl.llama.bins import find_bins
     except ImportError:  # pragma: no cover - llama.py is part of the package
         return host.llama_bin_dir
     bins = find_bins(host.llama_bin_dir, versions=False)
@@ -138,7 +138,7 @@ def check_paths(
             "the local RPC protocol version with the rpc hosts'"
         )
     if host.role == "head":
-        from linkctl.serve import serve_auth
+        from linkctl.serve.plan import serve_auth
 
         serve_auth(profile, root)  # serve would refuse an open API at every boot
         model = profile.serve.model
@@ -183,7 +183,7 @@ def _is_exe(p: Path) -> bool:
 def check_os(root: Path, host: HostSpec) -> None:
     if str(root) != "/":
         return
-    from linkctl.backend import current_os
+    from linkctl.net.backend import current_os
 
     here = current_os()
     if here != host.os:

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from xml.sax.saxutils import escape as xml_escape
 
-from linkctl.errors import InputError
-from linkctl.paths import SYSTEM_PROFILE_DIR, shipped
-from linkctl.profile import HostSpec, Profile
+from linkctl.core.errors import InputError
+from linkctl.core.paths import SYSTEM_PROFILE_DIR, shipped
+from linkctl.core.profile import HostSpec, Profile
 
 UNIT_DIR = "/etc/systemd/system"
 LAUNCHD_DIR = "/Library/LaunchDaemons"

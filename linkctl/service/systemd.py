@@ -9,8 +9,8 @@ from linkctl.service.manager import FileAction, UnitStatus
 from linkctl.service.render import SYSTEMD_UNITS, UNIT_DIR, render_systemd
 
 if TYPE_CHECKING:
-    from linkctl.profile import HostSpec, Profile
-    from linkctl.runner import Runner
+    from linkctl.core.profile import HostSpec, Profile
+    from linkctl.core.runner import Runner
     from linkctl.service.render import ServicePaths
 
 

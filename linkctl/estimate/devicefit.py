@@ -1,0 +1,620 @@
+"""Fit each catalog device's decode and prefill terms to public llama-bench rows.
+
+The rows (data/published_bench.toml) go through the estimator's own feature code
+(linkctl.estimate.cost.decode_features / prefill_features on a linkctl.gguf.shapes model),
+so a row's predicted time is exactly what `linkctl estimate` computes for that
+model on that device. Time is linear in the terms' coefficients (µs per block,
+µs per byte, µs per FLOP), so each device is a non-negative least-squares problem
+on relative error: minimise sum over rows of (predicted / published - 1)^2.
+
+A device's data rarely pins every term, so terms are tied or borrowed, and the
+fit records which (devices_fit.toml `notes`):
+  - F16 bandwidth tied to the quantized one (x the family anchor's ratio) unless the
+    device has rows whose weights are mostly F16;
+  - KV bandwidth tied likewise unless it has decode rows at depth >= 2048;
+  - the MoE per-block cost tied to the per-block cost (x the anchor's ratio) unless it
+    has MoE rows; prefill's MoE terms the same way;
+  - with fewer distinct rows than free terms, the per-block cost is the family
+    anchor's (assumed).
+The family anchor is the family's device with the most rows; it is fitted first.
+A device with no rows at all takes its anchor's terms, bandwidth and FLOPS scaled
+by the spec ratio (assumed); a family without an anchor (cpu) falls back to the
+catalog's spec x prior efficiency.
+"""
+
+from __future__ import annotations
+
+import itertools
+import tomllib
+from dataclasses import dataclass, field
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from linkctl.core.errors import InputError
+from linkctl.estimate.catalog import DecodeTerms, PrefillTerms, load_spec, prior_terms
+from linkctl.estimate.cost import (
+    decode_coefs,
+    decode_features,
+    decode_terms_from_coefs,
+    dot,
+    prefill_coefs,
+    prefill_features,
+    prefill_terms_from_coefs,
+    skips_masked_kv,
+)
+from linkctl.gguf.info import ModelInfo
+
+# Decode coefficient indices (DECODE_FEATURES) and prefill ones (PREFILL_FEATURES).
+D_BLOCK, D_MOE, D_Q, D_F16, D_KV = range(5)
+P_UB, P_MOE_UB, P_Q, P_F16, P_MOE, P_ATTN = range(6)
+KV_DEPTH_MIN = 2048  # a decode row this deep (mean position) pins the KV bandwidth
+F16_SHARE_MIN = 0.5  # a row whose weight bytes are mostly F16 pins the F16 terms
+
+
+def data_path() -> Path:
+    return Path(str(resources.files("linkctl") / "data" / "published_bench.toml"))
+
+
+@dataclass(frozen=True)
+class Row:
+    index: int
+    device: str
+    model: str
+    quant: str
+    test: str  # ppN / tgN
+    depth: int
+    tok_s: float
+    ubatch: int
+    size_gib: float
+    source: str
+    url: str
+    date: str
+    read: str
+    params_b: float | None = None
+    exclude: str | None = None
+    # The build a row's source ran, where it is not the current one its device's other
+    # rows ran (source `fit_group`): such rows are fitted as their own unit, never mixed
+    # into the device's catalog terms (one set of terms cannot be two builds).
+    group: str = ""
+    # Whether the source's build ran flash attention (llama-bench -fa): without it the
+    # decode attention reads K and V once per query head (ModelInfo.attn_bytes_per_position).
+    flash_attn: bool = True
+
+    @property
+    def kind(self) -> str:
+        return "decode" if self.test.startswith("tg") else "prefill"
+
+    @property
+    def n(self) -> int:
+        return int(self.test[2:])
+
+    @property
+    def label(self) -> str:
+        d = f" @d{self.depth}" if self.depth else ""
+        return f"{self.device} {self.model} {self.quant.split('+')[0]} {self.test}{d}"
+
+
+def load_rows(path: Path | None = None) -> list[Row]:
+    path = path or data_path()
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise InputError(f"benchmark data {path}: {e}", "restore the file") from None
+    rows: list[Row] = []
+    for src in data.get("source", []):
+        if not isinstance(src.get("flash_attn"), bool):
+            raise InputError(
+                f"{path}: source {src.get('id')!r}: flash_attn {src.get('flash_attn')!r}",
+                "state whether its build ran flash attention (llama-bench -fa): true or false",
+            )
+        for r in src.get("rows", []):
+            test = str(r["test"])
+            if not (test[:2] in ("pp", "tg") and test[2:].isdigit()):
+                raise InputError(f"{path}: row {r}: test {test!r}", "write ppN or tgN")
+            rows.append(
+                Row(
+                    index=len(rows),
+                    device=r.get("device", src.get("device")),
+                    model=r["model"],
+                    quant=r["quant"],
+                    test=test,
+                    depth=int(r.get("depth", 0)),
+                    tok_s=float(r["tok_s"]),
+                    ubatch=int(r.get("ubatch", src.get("ubatch", 512))),
+                    size_gib=float(r["size_gib"]),
+                    params_b=r.get("params_b"),
+                    source=src["id"],
+                    url=src["url"],
+                    date=str(src.get("date", "")),
+                    read=src.get("read", "source"),
+                    exclude=r.get("exclude"),
+                    group=str(src.get("fit_group", "")),
+                    flash_attn=src["flash_attn"],
+                )
+            )
+    return rows
+
+
+@cache
+def _model(key: str, quant: str) -> ModelInfo:
+    from linkctl.gguf.shapes import model_info
+
+    return model_info(key, quant)
+
+
+def row_model(row: Row) -> ModelInfo:
+    return _model(row.model, row.quant)
+
+
+def row_features(row: Row) -> list[float]:
+    """What the estimator counts for this llama-bench test on one device (all blocks
+    and the output head): per generated token for tg, per prompt for pp."""
+    m = row_model(row)
+    layers = list(range(m.block_count))
+    # Whether the row's backend skips the cache chunks the mask fully masks (Metal's flash
+    # attention does, CUDA's single-sequence decode does not): a sliding-window block then
+    # reads its window, not its whole cache (linkctl.estimate.cost.skips_masked_kv).
+    skip = skips_masked_kv(_family(row.device), row.flash_attn)
+    if row.kind == "decode":
+        depth = row.depth + row.n / 2
+        return decode_features(m, layers, True, depth, row.ubatch, row.flash_attn, skip)
+    return prefill_features(m, layers, True, row.n, row.depth, row.ubatch, skip)
+
+
+@cache
+def _family(device: str) -> str:
+    """The catalog family of a row's device ("apple" runs llama.cpp's Metal backend)."""
+    return str(load_spec().get(device, {}).get("family", ""))
+
+
+def row_time_us(row: Row) -> float:
+    """The published time: per generated token (tg) or per whole prompt (pp)."""
+    return 1e6 / row.tok_s if row.kind == "decode" else row.n / row.tok_s * 1e6
+
+
+def _f16_heavy(row: Row) -> bool:
+    f = row_features(row)
+    if row.kind == "decode":
+        return f[D_F16] > F16_SHARE_MIN * (f[D_Q] + f[D_F16])
+    return f[P_F16] > F16_SHARE_MIN * (f[P_Q] + f[P_F16])
+
+
+# -- non-negative least squares on relative error --------------------------------------
+
+
+def _nnls(a: list[list[float]], b: list[float]) -> tuple[list[float], float]:
+    """min |A x - b|^2 over x >= 0, exactly, by trying every support set (<= 6 columns)."""
+    import numpy as np
+
+    A, B = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    n = A.shape[1]
+    scale = np.where(np.abs(A).max(axis=0) > 0, np.abs(A).max(axis=0), 1.0)
+    As = A / scale
+    best, best_x = float("inf"), np.zeros(n)
+    for k in range(1, n + 1):
+        for sup in itertools.combinations(range(n), k):
+            cols = list(sup)
+            x, *_ = np.linalg.lstsq(As[:, cols], B, rcond=None)
+            if (x < 0).any():
+                continue
+            full = np.zeros(n)
+            full[cols] = x
+            r = float(((As @ full - B) ** 2).sum())
+            if r < best - 1e-15:
+                best, best_x = r, full
+    return [float(v) for v in best_x / scale], best
+
+
+@dataclass
+class Prior:
+    """What a device borrows from its family anchor for the terms its rows do not pin."""
+
+    decode: list[float]  # the anchor's decode coefficients (absolute)
+    prefill: list[float]
+    anchor: str | None = None
+
+    def ratio(self, coefs: list[float], i: int, j: int, default: float) -> float:
+        return coefs[i] / coefs[j] if coefs[j] > 0 and coefs[i] > 0 else default
+
+
+@dataclass
+class DeviceFit:
+    decode: list[float]
+    prefill: list[float]
+    notes: dict[str, str] = field(default_factory=dict)
+    n_decode: int = 0
+    n_prefill: int = 0
+
+
+def _solve(
+    rows: list[Row],
+    n_coef: int,
+    ties: dict[int, tuple[int, float]],
+    fixed: dict[int, float],
+) -> list[float]:
+    """Fit the free coefficients; a tied one is ratio x its partner, a fixed one is given."""
+    free = [i for i in range(n_coef) if i not in ties and i not in fixed]
+    a, b = [], []
+    for r in rows:
+        f = row_features(r)
+        t = row_time_us(r)
+        known = sum(fixed[i] * f[i] for i in fixed)
+        col = []
+        for i in free:
+            v = f[i] + sum(k * f[j] for j, (p, k) in ties.items() if p == i)
+            col.append(v / t)
+        a.append(col)
+        b.append(1.0 - known / t)
+    x, _ = _nnls(a, b) if free else ([], 0.0)
+    c = [0.0] * n_coef
+    for i, v in fixed.items():
+        c[i] = v
+    for i, v in zip(free, x, strict=True):
+        c[i] = v
+    for j, (p, k) in ties.items():
+        c[j] = k * c[p]
+    return c
+
+
+def _full_rank(rows: list[Row], n_coef: int, ties: dict, fixed: dict) -> bool:
+    """Whether the rows separate every free term (no two free columns collinear, e.g. a
+    per-block cost and a bandwidth when every row is the same model shape)."""
+    import numpy as np
+
+    free = [i for i in range(n_coef) if i not in ties and i not in fixed]
+    if not free:
+        return True
+    a = []
+    for r in rows:
+        f = row_features(r)
+        t = row_time_us(r)
+        a.append([(f[i] + sum(k * f[j] for j, (p, k) in ties.items() if p == i)) / t for i in free])
+    A = np.asarray(a, dtype=float)
+    scale = np.abs(A).max(axis=0)
+    A = A / np.where(scale > 0, scale, 1.0)
+    # Near-collinear counts as collinear: an F16 row's few quantized FLOPS (its
+    # quantized output head) must not be what "separates" a per-micro-batch cost.
+    sv = np.linalg.svd(A, compute_uv=False)
+    return bool(len(sv) == len(free) and sv.min() > 1e-3 * sv.max())
+
+
+def _solve_pinned(
+    rows: list[Row],
+    n_coef: int,
+    ties: dict[int, tuple[int, float]],
+    fixed: dict[int, float],
+    throughput: tuple[int, ...],
+    prior: list[float],
+    names: tuple[str, ...],
+    notes: dict[str, str],
+    src: str,
+) -> list[float]:
+    """Fit; a throughput term the rows leave at zero cost (unbounded) is tied to the
+    quantized one at the prior's ratio (the main one: fixed at the prior, with what is
+    tied to it) and the rest refitted around it, not added on top of a fit that spent
+    its time elsewhere. Ratios carry across a family better than absolute rates."""
+    main = throughput[0]
+    c = _solve(rows, n_coef, ties, fixed)
+    for _ in throughput:
+        bad = [i for i in throughput if c[i] <= 0 and i not in fixed and i not in ties]
+        if not bad:
+            break
+        i = bad[0]
+        if i != main and main not in fixed:
+            r = prior[i] / prior[main] if prior[main] > 0 else 1.0
+            ties[i] = (main, r)
+            notes[names[i]] = (
+                f"assumed (not pinned by the rows): {names[main]} x the ratio in {src}"
+            )
+        else:
+            fixed[i] = prior[i]
+            for j, (p, k) in list(ties.items()):
+                if p == i:
+                    del ties[j]
+                    fixed[j] = k * prior[i]
+            notes[names[i]] = f"assumed (not pinned by the rows): {src}"
+        c = _solve(rows, n_coef, ties, fixed)
+    return c
+
+
+def _distinct(rows: list[Row]) -> int:
+    return len({tuple(round(v, 6) for v in row_features(r)) for r in rows})
+
+
+def _block_share(row: Row, pc: list[float]) -> float:
+    """The share of the row's time the prior's per-block costs explain."""
+    f = row_features(row)
+    total = dot(pc, f)
+    return (pc[D_BLOCK] * f[D_BLOCK] + pc[D_MOE] * f[D_MOE]) / total if total > 0 else 0.0
+
+
+def _tied_note(prior: Prior, why: str, base: str, alone: int = 1) -> str:
+    """Why a term is tied to another, and to what ratio."""
+    if prior.anchor:
+        return f"assumed ({why}): {base} x the ratio in the {prior.anchor} fit"
+    return f"assumed ({why}): {base} x {alone} (no device to borrow a ratio from)"
+
+
+def fit_decode(rows: list[Row], prior: Prior) -> tuple[list[float], dict[str, str]]:
+    pc = prior.decode
+    src = f"the {prior.anchor} fit" if prior.anchor else "no device to borrow from"
+
+    ties: dict[int, tuple[int, float]] = {}
+    fixed: dict[int, float] = {}
+    notes: dict[str, str] = {}
+    if not any(_f16_heavy(r) for r in rows):
+        ties[D_F16] = (D_Q, prior.ratio(pc, D_F16, D_Q, 1.0))
+        notes["bw_f16_gbs"] = _tied_note(prior, "no F16 rows", "bw_gbs")
+    if not any(r.depth + r.n / 2 >= KV_DEPTH_MIN for r in rows):
+        ties[D_KV] = (D_Q, prior.ratio(pc, D_KV, D_Q, 1.0))
+        notes["kv_bw_gbs"] = _tied_note(prior, "no deep decode rows", "bw_gbs")
+    if not any(row_model(r).is_moe for r in rows):
+        ties[D_MOE] = (D_BLOCK, prior.ratio(pc, D_MOE, D_BLOCK, 0.0))
+        notes["moe_layer_us"] = _tied_note(prior, "no MoE rows", "layer_us", 0)
+    n = _distinct(rows)
+    order = [D_MOE, D_KV, D_F16]
+    while 5 - len(ties) - len(fixed) > n and order:
+        i = order.pop(0)
+        if i not in ties:
+            partner = D_BLOCK if i == D_MOE else D_Q
+            ties[i] = (partner, prior.ratio(pc, i, partner, 1.0 if i != D_MOE else 0.0))
+            notes[DECODE_NAMES[i]] = f"assumed (too few rows): the ratio in {src}"
+    if 5 - len(ties) - len(fixed) > n and _block_share(rows[0], pc) >= 0.5:
+        # One row shape cannot split per-block cost from bandwidth: borrow from the
+        # family anchor the term that explains less of its time, and fit the other,
+        # so the borrowed term's error moves the prediction least. Per-block cost
+        # explains more (a small model): take the share of the spec bandwidth the
+        # anchor reaches, unless that leaves no per-block cost (then the bandwidth
+        # alone explains the row); bandwidth explains more (a large model): the
+        # anchor's per-block cost, below.
+        c = _solve(rows, 5, ties, {D_Q: pc[D_Q]})
+        if c[D_BLOCK] > 0:
+            notes["bw_gbs"] = f"assumed (too few rows): the spec share of {src}"
+            return c, notes
+        fixed[D_BLOCK] = 0.0
+        notes["layer_us"] = "assumed (too few rows): 0, the bandwidth alone explains the row"
+    if (5 - len(ties) - len(fixed) > n or not _full_rank(rows, 5, ties, fixed)) and (
+        D_BLOCK not in fixed
+    ):
+        # Every quantized row (or every F16 row) is one model shape: per-block cost and
+        # bandwidth are collinear. Take the family anchor's per-block cost, fit the rest.
+        _pin(fixed, ties, pc, D_BLOCK, D_MOE)
+        notes["layer_us"] = f"assumed (rows do not separate it from bandwidth): {src}"
+    c = _solve_pinned(rows, 5, ties, fixed, (D_Q, D_F16, D_KV), pc, DECODE_NAMES, notes, src)
+    return c, notes
+
+
+def _pin(
+    fixed: dict[int, float], ties: dict[int, tuple[int, float]], pc: list[float], i: int, tied: int
+) -> None:
+    """Fix term i at the anchor's value; a term tied to it is fixed at the anchor's value too."""
+    fixed[i] = pc[i]
+    if tied in ties:
+        del ties[tied]
+        fixed[tied] = pc[tied]
+
+
+def fit_prefill(rows: list[Row], prior: Prior) -> tuple[list[float], dict[str, str]]:
+    pc = prior.prefill
+    src = f"the {prior.anchor} fit" if prior.anchor else "no device to borrow from"
+    ties: dict[int, tuple[int, float]] = {}
+    fixed: dict[int, float] = {}
+    notes: dict[str, str] = {}
+    if not any(_f16_heavy(r) for r in rows):
+        ties[P_F16] = (P_Q, prior.ratio(pc, P_F16, P_Q, 1.0))
+        notes["tflops_f16"] = _tied_note(prior, "no F16 rows", "tflops")
+    if not any(r.depth + r.n >= 4096 for r in rows):
+        ties[P_ATTN] = (P_Q, prior.ratio(pc, P_ATTN, P_Q, 1.0))
+        notes["attn_tflops"] = _tied_note(prior, "no long-context rows", "tflops")
+    if not any(row_model(r).is_moe for r in rows):
+        ties[P_MOE] = (P_Q, prior.ratio(pc, P_MOE, P_Q, 1.0))
+        ties[P_MOE_UB] = (P_UB, prior.ratio(pc, P_MOE_UB, P_UB, 0.0))
+        notes["moe_tflops"] = _tied_note(prior, "no MoE rows", "tflops")
+        notes["moe_ubatch_layer_us"] = _tied_note(prior, "no MoE rows", "ubatch_layer_us", 0)
+    n = _distinct(rows)
+    order = [P_MOE_UB, P_ATTN, P_F16, P_MOE]
+    while 6 - len(ties) - len(fixed) > n and order:
+        i = order.pop(0)
+        if i not in ties:
+            partner = P_UB if i == P_MOE_UB else P_Q
+            ties[i] = (partner, prior.ratio(pc, i, partner, 0.0 if i == P_MOE_UB else 1.0))
+            notes[PREFILL_NAMES[i]] = f"assumed (too few rows): the ratio in {src}"
+    if 6 - len(ties) - len(fixed) > n:
+        _pin(fixed, ties, pc, P_UB, P_MOE_UB)
+        notes["ubatch_layer_us"] = f"assumed (too few rows): {src}"
+    if not _full_rank(rows, 6, ties, fixed) and P_MOE_UB not in ties and P_MOE_UB not in fixed:
+        # Every MoE prompt a whole number of micro-batches: the MoE per-micro-batch cost
+        # and MoE throughput are collinear. Tie the former to the dense one (anchor ratio).
+        ties[P_MOE_UB] = (P_UB, prior.ratio(pc, P_MOE_UB, P_UB, 0.0))
+        notes["moe_ubatch_layer_us"] = f"assumed (rows do not separate it): the ratio in {src}"
+    if len({r.model for r in rows}) < 2 and P_UB not in fixed:
+        # One model: every row's micro-batch count and FLOPs grow together with the
+        # prompt (only its attention differs, and that has its own rate), so the rows
+        # cannot tell a per-micro-batch cost from a FLOPS rate.
+        _pin(fixed, ties, pc, P_UB, P_MOE_UB)
+        notes["ubatch_layer_us"] = f"assumed (one model: rows do not separate it from FLOPS): {src}"
+    if not _full_rank(rows, 6, ties, fixed) and P_UB not in fixed:
+        _pin(fixed, ties, pc, P_UB, P_MOE_UB)
+        notes["ubatch_layer_us"] = f"assumed (rows do not separate it from FLOPS): {src}"
+    c = _solve_pinned(
+        rows, 6, ties, fixed, (P_Q, P_F16, P_MOE, P_ATTN), pc, PREFILL_NAMES, notes, src
+    )
+    return c, notes
+
+
+DECODE_NAMES = ("layer_us", "moe_layer_us", "bw_gbs", "bw_f16_gbs", "kv_bw_gbs")
+PREFILL_NAMES = (
+    "ubatch_layer_us",
+    "moe_ubatch_layer_us",
+    "tflops",
+    "tflops_f16",
+    "moe_tflops",
+    "attn_tflops",
+)
+
+
+def _scaled(coefs: list[float], byte_idx: tuple[int, ...], k: float) -> list[float]:
+    return [c / k if i in byte_idx else c for i, c in enumerate(coefs)]
+
+
+def fit_device(
+    key: str,
+    specs: dict[str, dict[str, Any]],
+    rows: list[Row],
+    anchors: dict[str, tuple[str, DeviceFit]],
+) -> DeviceFit:
+    """One device's terms from its rows, borrowing from its family anchor where needed."""
+    spec = specs[key]
+    fam = spec["family"]
+    dec_rows = [r for r in rows if r.kind == "decode"]
+    pre_rows = [r for r in rows if r.kind == "prefill"]
+    anchor = anchors.get(fam)
+    if anchor and anchor[0] != key:
+        akey, afit = anchor
+        aspec = specs[akey]
+        kb = spec["mem_bandwidth_gbs"] / aspec["mem_bandwidth_gbs"]
+        kf = spec["fp16_tflops"] / aspec["fp16_tflops"]
+        prior = Prior(
+            _scaled(afit.decode, (D_Q, D_F16, D_KV), kb),
+            _scaled(afit.prefill, (P_Q, P_F16, P_MOE, P_ATTN), kf),
+            akey,
+        )
+        scaled_note = (
+            f"assumed: {akey}'s fitted terms, bandwidth x {kb:.3g} and FLOPS x {kf:.3g} "
+            "(spec ratios)"
+        )
+    else:
+        d, p = prior_terms(spec)
+        prior = Prior(decode_coefs(d), prefill_coefs(p), None)
+        scaled_note = "assumed: spec x prior efficiency (devices.toml), no per-block cost"
+    notes: dict[str, str] = {}
+    if dec_rows:
+        dc, dn = fit_decode(dec_rows, prior)
+        notes |= dn
+    else:
+        dc = prior.decode
+        notes["decode"] = scaled_note
+    if pre_rows:
+        pc, pn = fit_prefill(pre_rows, prior)
+        notes |= pn
+    else:
+        pc = prior.prefill
+        notes["prefill"] = scaled_note
+    return DeviceFit(dc, pc, notes, len(dec_rows), len(pre_rows))
+
+
+def catalog_group(rows: list[Row], device: str) -> str:
+    """The build group a device's catalog terms come from: its current-build rows
+    (no `fit_group`), else, where it has only older-build rows, the newest of those."""
+    groups = {r.group for r in rows if r.device == device and not r.exclude}
+    return "" if "" in groups or not groups else max(groups)
+
+
+def fit_units(
+    rows: list[Row],
+    spec: dict[str, dict[str, Any]] | None = None,
+    also: tuple[str, str] | None = None,
+) -> dict[tuple[str, str], DeviceFit]:
+    """Every (device, build group) with rows fitted on its own: the catalog's (from
+    fit_all) plus each older-build group, which borrows from the same family anchors
+    (`also`: a unit to include even with no rows: then it is the family assumption)."""
+    spec = spec or load_spec()
+    fits, anchors = _fit_catalog(rows, spec)
+    used = [r for r in rows if not r.exclude and r.device in spec]
+    out = {(k, catalog_group(rows, k)): f for k, f in fits.items()}
+    for key, group in sorted({(r.device, r.group) for r in used} | ({also} if also else set())):
+        if (key, group) not in out:
+            unit = [r for r in used if r.device == key and r.group == group]
+            out[(key, group)] = fit_device(key, spec, unit, anchors)
+    return out
+
+
+def fit_all(rows: list[Row], spec: dict[str, dict[str, Any]] | None = None) -> dict[str, DeviceFit]:
+    """The catalog: one fit per device, from the rows of its catalog_group."""
+    return _fit_catalog(rows, spec or load_spec())[0]
+
+
+def _fit_catalog(
+    rows: list[Row], spec: dict[str, dict[str, Any]]
+) -> tuple[dict[str, DeviceFit], dict[str, tuple[str, DeviceFit]]]:
+    used = [r for r in rows if not r.exclude and r.device in spec]
+    unknown = sorted({r.device for r in rows if not r.exclude} - set(spec))
+    if unknown:
+        raise InputError(f"benchmark rows name devices not in the catalog: {', '.join(unknown)}")
+    by_dev = {
+        k: [r for r in used if r.device == k and r.group == catalog_group(used, k)] for k in spec
+    }
+    anchors: dict[str, tuple[str, DeviceFit]] = {}
+    for fam in sorted({d["family"] for d in spec.values()}):
+        members = [k for k in spec if spec[k]["family"] == fam and by_dev[k]]
+        if members:
+            a = max(members, key=lambda k: (len(by_dev[k]), k))
+            anchors[fam] = (a, fit_device(a, spec, by_dev[a], {}))
+    out = {}
+    for k in spec:
+        a = anchors.get(spec[k]["family"])
+        out[k] = a[1] if a and a[0] == k else fit_device(k, spec, by_dev[k], anchors)
+    return out, anchors
+
+
+def predict_us(fit: DeviceFit, row: Row) -> float:
+    c = fit.decode if row.kind == "decode" else fit.prefill
+    return dot(c, row_features(row))
+
+
+def loo_fit(rows: list[Row], row: Row, spec: dict[str, dict[str, Any]]) -> DeviceFit:
+    """The row's unit (device, build group) refitted without the row (its family
+    anchor refitted likewise; other families cannot reach it)."""
+    fam = spec[row.device]["family"]
+    sub = {k: v for k, v in spec.items() if v["family"] == fam}
+    rest = [r for r in rows if r.index != row.index and r.device in sub]
+    return fit_units(rest, sub, (row.device, row.group))[(row.device, row.group)]
+
+
+# -- devices_fit.toml -----------------------------------------------------------------
+
+
+def terms(fit: DeviceFit) -> tuple[DecodeTerms, PrefillTerms]:
+    return decode_terms_from_coefs(fit.decode), prefill_terms_from_coefs(fit.prefill)
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.6g}"
+
+
+def render_fit_toml(fits: dict[str, DeviceFit], rows: list[Row]) -> str:
+    lines = [
+        "# GENERATED by scripts/fit_devices.py from linkctl/data/published_bench.toml;",
+        "# do not edit by hand (re-run the script; tests/test_devicefit.py checks this",
+        "# file is what the script writes). Terms: see linkctl/estimate/catalog.py DecodeTerms and",
+        "# PrefillTerms. `notes` names every term that is assumed rather than fitted.",
+        "",
+    ]
+    for key, f in fits.items():
+        dec, pre = terms(f)
+        n_rows = f.n_decode + f.n_prefill
+        group = catalog_group(rows, key)
+        mine = [r for r in rows if r.device == key and not r.exclude]
+        srcs = sorted({r.source for r in mine if r.group == group})
+        older = sorted({r.group.split(":")[0] for r in mine if r.group != group})
+        summary = (
+            f"fitted to {f.n_decode} decode + {f.n_prefill} prefill public llama-bench rows"
+            if n_rows
+            else "assumed: no public llama-bench rows for this device"
+        )
+        if older:
+            summary += f" (older-build rows fitted apart, not used here: {', '.join(older)})"
+        lines += [f"[{key}]", f'summary = "{summary}"']
+        if srcs:
+            lines.append("sources = [" + ", ".join(f'"{s}"' for s in srcs) + "]")
+        lines.append(f"[{key}.decode]")
+        lines += [f"{n} = {_fmt(getattr(dec, n))}" for n in DECODE_NAMES]
+        lines.append(f"[{key}.prefill]")
+        lines += [f"{n} = {_fmt(getattr(pre, n))}" for n in PREFILL_NAMES]
+        if f.notes:
+            lines.append(f"[{key}.notes]")
+            lines += [f'{n} = "{v}"' for n, v in f.notes.items()]
+        lines.append("")
+    return "\n".join(lines)

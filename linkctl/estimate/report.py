@@ -1,0 +1,153 @@
+"""The words of `linkctl estimate`: the models (linkctl.estimate.cost, linkctl.estimate.ttft)
+return figures and a typed Verdict; every sentence about them is made here, for the
+terminal and for the text fields of --json."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from linkctl.core.output import console
+from linkctl.estimate.cost import GIB, Because, Estimate, Verdict
+from linkctl.estimate.ttft import DisaggEstimate
+
+
+def reason(v: Verdict) -> str:
+    """One sentence: why the estimate recommends what it does."""
+    split = v.split_decode_tok_s
+    match v.because:
+        case Because.NO_RPC_HOST:
+            return "no RPC host in the profile"
+        case Because.HEAD_TOO_SMALL:
+            return (
+                f"the model needs {v.need_bytes / GIB:.1f} GiB and the head holds "
+                f"{v.head_free_bytes / GIB:.1f} GiB"
+            )
+        case Because.SPLIT_FASTER:
+            return f"split decode {split:.1f} tok/s vs local {v.local_decode_tok_s:.1f} tok/s"
+        case Because.LOCAL_NOT_SLOWER:
+            return (
+                f"local decode {v.local_decode_tok_s:.1f} tok/s vs best split {split:.1f} "
+                "tok/s: the link and the slower device cost more than they save"
+            )
+
+
+def as_json(est: Estimate, serving: DisaggEstimate | None) -> dict[str, Any]:
+    """`estimate --json`: the model's figures, the reason sentence, the serving plans."""
+    return est.as_dict() | {
+        "reason": reason(est.verdict),
+        "serving": serving.as_dict() if serving else None,
+    }
+
+
+def _gib(b: float) -> str:
+    return f"{b / GIB:.1f} GiB"
+
+
+def render(est: Estimate) -> None:
+    m = est.model
+    moe = (
+        f", MoE {m['expert_used_count']}/{m['expert_count']} experts per token"
+        if m["expert_count"]
+        else ""
+    )
+    console.print(
+        f"[bold]{m['name'] or Path(m['path']).name}[/] ({m['architecture']}, "
+        f"{m['block_count']} layers, {_gib(m['total_bytes'])} weights{moe})"
+    )
+    if est.link:
+        console.print(
+            f"link: RTT {est.link.rtt_us:.0f} µs, {est.link.throughput_gbps:.2f} Gbit/s "
+            f"[dim]({est.link.source})[/]"
+        )
+    fits = "[green]yes[/]" if est.fits_head_alone else "[red]no[/]"
+    local = est.local
+    assert local is not None
+    console.print(
+        f"fits on the head alone at ctx {est.ctx}: {fits} "
+        f"(needs {_gib(local.devices[0].need_bytes)}, has "
+        f"{_gib(local.devices[0].free_bytes)})"
+    )
+    console.print()
+    console.print(f"{'':22}{'decode tok/s':>14}{'prefill tok/s':>15}  split (layers+output)")
+    rows = [("local only", local)]
+    if est.split:
+        rows.append(("split (llama.cpp)", est.split))
+    if est.recommended:
+        rows.append(("split (recommended)", est.recommended))
+    for label, sc in rows:
+        note = "" if sc.fits else "  [red]does not fit[/]"
+        split = ",".join(map(str, sc.tensor_split)) if sc.name != "local" else "-"
+        console.print(f"{label:22}{sc.decode_tok_s:>14.1f}{sc.prefill_tok_s:>15.0f}  {split}{note}")
+    console.print(
+        f"[dim]decode at context position {est.depth} (--depth; default: right after the "
+        f"--prompt); prefill of the --prompt tokens[/]"
+    )
+    full = f"at {est.ctx} (full)"
+    console.print(f"{'decode tok/s by depth':22}{'at 0':>14}{full:>18}")
+    for label, sc in rows:
+        console.print(f"{label:22}{sc.decode_tok_s_depth0:>14.1f}{sc.decode_tok_s_full_ctx:>18.1f}")
+    if est.split:
+        s = est.split
+        console.print()
+        console.print(
+            f"network per token: {s.network_us:.0f} µs = {s.round_trips_per_token} round trip(s) "
+            f"x {est.link.rtt_us:.0f} µs + {s.bytes_crossing_per_token / 1024:.1f} KiB transfer "
+            f"({s.network_transfer_us:.0f} µs)"
+            + (f" + RPC overhead {s.network_overhead_us:.0f} µs" if s.network_overhead_us else "")
+        )
+        console.print(
+            f"network per layer: {est.network_per_layer_us:.1f} µs; one layer decodes in "
+            f"{est.layer_us:.0f} µs, so the link costs as much as {est.link_equiv_layers:.2f} "
+            "layers per token"
+        )
+        console.print(f"[dim]{est.per_layer_derivation}[/]")
+        console.print(
+            f"dominant term (split): {s.dominant} "
+            f"({s.terms_us[s.dominant]:.0f} µs of {s.decode_us:.0f} µs per token)"
+        )
+    if est.recommended:
+        order = est.model.get("split_order", [])
+        console.print(
+            f"recommended --tensor-split {','.join(map(str, est.recommended.tensor_split))}"
+            f" [dim](order: {', '.join(order)})[/]"
+        )
+    console.print()
+    console.print(f"[bold]recommendation: {est.recommendation}[/] — {reason(est.verdict)}")
+    for w in est.warnings:
+        console.print(f"[yellow]note:[/] {w}")
+
+
+def render_serving(de: DisaggEstimate) -> None:
+    console.print(
+        f"\nServing one request: {de.prompt_tokens} prompt tokens, {de.output_tokens} output "
+        f"tokens (prefill on {de.prefill_host}, decode on {de.decode_host} when disaggregated)",
+        markup=False,
+    )
+    console.print(
+        f"  {'plan':14s} {'TTFT s':>9s} {'total s':>9s} {'prefill s':>9s} {'KV move s':>9s} "
+        f"{'decode tok/s':>12s}",
+        markup=False,
+    )
+    for p in de.plans:
+        flag = "" if p.fits else "  (does not fit)"
+        console.print(
+            f"  {p.name:14s} {p.ttft_s:9.3f} {p.total_s:9.3f} {p.prefill_s:9.3f} "
+            f"{p.transfer_s:9.3f} {p.decode_tok_s:12.1f}{flag}",
+            markup=False,
+        )
+    for note in de.notes:
+        if note.startswith("disaggregated:"):
+            console.print(f"  {note}", markup=False)
+    kv = next((p.kv_bytes for p in de.plans if p.name == "disaggregated"), 0)
+    console.print(
+        f"  KV cache moved: {kv / 2**20:.1f} MiB at {de.link_gbps:g} Gbit/s. "
+        f"Fastest first token: {de.winner_ttft}; fastest whole request: {de.winner_total}.",
+        markup=False,
+    )
+    t = de.threshold_tokens
+    console.print(
+        "  Disaggregation wins the first token from "
+        + (f"{t} prompt tokens on." if t else "no prompt length (off)."),
+        markup=False,
+    )

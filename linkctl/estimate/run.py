@@ -1,0 +1,144 @@
+"""Gather what `linkctl estimate` needs (profile, probe report, calibrations, the
+GGUF header) and call the pure model in linkctl.estimate.cost; linkctl.estimate.report
+renders the result."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from linkctl.core.errors import InputError
+from linkctl.core.profile import Profile
+from linkctl.core.records import ProbeRecord, latest_probe_path, load_calibrations, load_probe
+from linkctl.estimate.catalog import apply_calibration, get_device, load_catalog, rpc_role
+from linkctl.estimate.cost import GIB, Estimate, LinkFigures, Participant, estimate, split_devices
+
+
+def link_figures(
+    probe: Path | None, rtt_us: float | None, throughput_gbps: float | None
+) -> LinkFigures:
+    """Flags win; else the probe report. No report and no flags: exit 2."""
+    for name, v in (("--rtt-us", rtt_us), ("--throughput-gbps", throughput_gbps)):
+        if v is not None and v <= 0:
+            raise InputError(f"{name} {v:g}: must be > 0", f"give a positive {name}")
+    path = probe or latest_probe_path()
+    report: ProbeRecord | None = None
+    if path.is_file():
+        report = load_probe(path)
+    elif probe is not None:
+        raise InputError(f"--probe {probe}: no such file", "give a `linkctl probe --json` report")
+    if report is None and (rtt_us is None or throughput_gbps is None):
+        raise InputError(
+            f"no probe report at {path} and no --rtt-us/--throughput-gbps",
+            "run `linkctl probe` first, or pass --rtt-us and --throughput-gbps",
+        )
+    src: list[str] = []
+
+    def pick(given: float | None, read, what: str, flag: str) -> float:
+        if given is not None:
+            src.append(f"{what} from {flag}")
+            return given
+        got = read(report) if report is not None else None
+        if got is None:
+            raise InputError(
+                f"probe report {path} has no {what} figures",
+                f"re-run `linkctl probe` or pass {flag}",
+            )
+        src.append(f"{what} from {path} ({got[1]})")
+        return got[0]
+
+    rtt_us = pick(rtt_us, lambda r: r.latency.smallest(), "RTT", "--rtt-us")
+    throughput_gbps = pick(
+        throughput_gbps, ProbeRecord.first_throughput, "throughput", "--throughput-gbps"
+    )
+    return LinkFigures(rtt_us=rtt_us, throughput_gbps=throughput_gbps, source="; ".join(src))
+
+
+def participants(
+    prof: Profile, query_rpc: bool = False, calibration: list[Path] | None = None
+) -> tuple[list[Participant], list[str]]:
+    catalog = load_catalog()
+    cals = load_calibrations(calibration)
+    notes: list[str] = []
+    out = []
+    for i, h in enumerate(prof.hosts):
+        dev = apply_calibration(get_device(catalog, h.device, f"hosts[{i}]"), cals.get(h.name))
+        mem_gb = h.memory_gb or dev.memory_gb
+        free = mem_gb * GIB * dev.usable_fraction
+        free_src = (
+            f"{'profile' if h.memory_gb else 'catalog'} memory_gb {mem_gb:g} x "
+            f"usable {dev.usable_fraction:g}"
+        )
+        if query_rpc and h.role == "rpc":
+            from linkctl.llama.rpc import query
+
+            info = query(h.ip, h.rpc.port, timeout=3.0)
+            if info.devices:
+                free = float(sum(d.free for d in info.devices))
+                free_src = f"rpc-server {h.rpc_endpoint} GET_DEVICE_MEMORY free"
+        cal = cals.get(h.name)
+        overhead = 0.0
+        if h.role == "rpc":
+            behind_rpc = rpc_role(dev, cal)
+            if behind_rpc is not None:
+                # Measured behind a loopback RPC boundary: the RPC processing cost is in it.
+                dev = behind_rpc
+            else:
+                notes.append(
+                    f"{h.name}: not calibrated as an RPC device (run `linkctl calibrate --rpc` "
+                    "there): RPC processing cost not counted"
+                )
+        if not dev.calibrated:
+            notes.append(
+                f"{h.name}: catalog terms for {dev.key} ({dev.fit.get('summary', 'catalog')}; "
+                "not calibrated on this host)"
+            )
+        out.append(Participant(h.name, h.role, dev, free, free_src, overhead))
+    return out, notes
+
+
+def parse_split(text: str | None) -> list[float] | None:
+    if text is None:
+        return None
+    try:
+        vals = [float(x) for x in text.replace("/", ",").split(",") if x.strip()]
+    except ValueError:
+        raise InputError(f"--tensor-split {text!r}: not numbers", "write e.g. 3,1") from None
+    if not vals or any(v < 0 for v in vals):
+        raise InputError(f"--tensor-split {text!r}: needs non-negative weights", "e.g. 3,1")
+    return vals
+
+
+def run_estimate(
+    prof: Profile,
+    model_path: Path,
+    *,
+    probe: Path | None = None,
+    tensor_split: str | None = None,
+    ctx: int | None = None,
+    prompt: int = 512,
+    rtt_us: float | None = None,
+    throughput_gbps: float | None = None,
+    query_rpc: bool = False,
+    calibration: list[Path] | None = None,
+    depth: int | None = None,
+) -> Estimate:
+    from linkctl.gguf.info import read_model
+
+    model = read_model(model_path)
+    if prompt < 1:
+        raise InputError(f"--prompt {prompt}: must be at least 1", "e.g. --prompt 512")
+    parts, notes = participants(prof, query_rpc, calibration)
+    link = link_figures(probe, rtt_us, throughput_gbps) if prof.rpc_hosts else None
+    est = estimate(
+        model,
+        parts,
+        link,
+        prof.serve.ctx if ctx is None else ctx,
+        parse_split(tensor_split),
+        ngl=prof.serve.ngl,
+        n_prompt=prompt,
+        depth=depth,
+    )
+    est.warnings += notes
+    est.model["split_order"] = [p.host for p in split_devices(parts)]
+    return est

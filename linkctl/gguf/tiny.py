@@ -1,0 +1,135 @@
+"""A tiny random-weight llama GGUF for tests, benchmarks and the lab demo.
+
+Nothing is downloaded: the weights are drawn from a seeded generator, so the
+same arguments always write the same bytes. The tokenizer is llama's
+SentencePiece model with byte fallback: ``<unk>``, ``<s>``, ``</s>`` and the
+256 byte tokens ``<0x00>``..``<0xFF>``, so any text tokenizes (one token per
+byte) and llama.cpp loads it like any llama model. The output is noise; the
+point is real tensors of a real architecture moving over a real link.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from linkctl.core.errors import InputError
+from linkctl.core.paths import atomic_path
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    n_layer: int = 4
+    n_embd: int = 64
+    n_head: int = 4
+    n_ff: int = 128
+    n_ctx: int = 512
+    seed: int = 0
+
+    def check(self) -> None:
+        if self.n_layer < 1 or self.n_embd < 8 or self.n_ff < 8 or self.n_ctx < 16:
+            raise InputError(f"tiny model {self}: sizes too small", "use the defaults")
+        if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
+            raise InputError(
+                f"tiny model: n_embd {self.n_embd} must split into {self.n_head} even-sized heads",
+                "use n_embd a multiple of 2*n_head",
+            )
+
+
+N_SPECIAL = 3  # <unk>, <s>, </s>
+N_VOCAB = N_SPECIAL + 256
+BOS_ID, EOS_ID, UNK_ID = 1, 2, 0
+
+
+def vocab() -> tuple[list[str], list[float], list[int]]:
+    import gguf
+
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    scores = [0.0] * len(tokens)
+    types = [
+        gguf.TokenType.UNKNOWN,
+        gguf.TokenType.CONTROL,
+        gguf.TokenType.CONTROL,
+    ] + [gguf.TokenType.BYTE] * 256
+    return tokens, scores, [int(t) for t in types]
+
+
+def write_tiny_llama(path: str | Path, spec: TinySpec | None = None) -> dict[str, Any]:
+    """Write the model to ``path`` and return a summary (sizes, tensor count, bytes)."""
+    import gguf
+    import numpy as np
+
+    spec = spec or TinySpec()
+    spec.check()
+    path = Path(path)
+    rng = np.random.default_rng(spec.seed)
+    e, ff, v = spec.n_embd, spec.n_ff, N_VOCAB
+
+    def w(*shape: int, scale: float | None = None) -> np.ndarray:
+        # numpy shape is ggml's ne reversed: (rows, cols) = (out, in).
+        s = scale if scale is not None else 1.0 / np.sqrt(shape[-1])
+        return (rng.standard_normal(shape) * s).astype(np.float32)
+
+    def ones(n: int) -> np.ndarray:
+        return np.ones(n, dtype=np.float32)
+
+    tensors: dict[str, np.ndarray] = {
+        "token_embd.weight": w(v, e, scale=0.5),
+        "output_norm.weight": ones(e),
+        "output.weight": w(v, e),
+    }
+    for i in range(spec.n_layer):
+        p = f"blk.{i}."
+        tensors |= {
+            p + "attn_norm.weight": ones(e),
+            p + "attn_q.weight": w(e, e),
+            p + "attn_k.weight": w(e, e),
+            p + "attn_v.weight": w(e, e),
+            p + "attn_output.weight": w(e, e),
+            p + "ffn_norm.weight": ones(e),
+            p + "ffn_gate.weight": w(ff, e),
+            p + "ffn_up.weight": w(ff, e),
+            p + "ffn_down.weight": w(e, ff),
+        }
+
+    with atomic_path(path) as tmp:
+        writer = gguf.GGUFWriter(str(tmp), "llama")
+        writer.add_name(f"linkctl-tiny-llama-{spec.n_layer}L-{e}d-seed{spec.seed}")
+        writer.add_context_length(spec.n_ctx)
+        writer.add_embedding_length(e)
+        writer.add_block_count(spec.n_layer)
+        writer.add_feed_forward_length(ff)
+        writer.add_head_count(spec.n_head)
+        writer.add_head_count_kv(spec.n_head)
+        writer.add_rope_dimension_count(e // spec.n_head)
+        writer.add_rope_freq_base(10000.0)
+        writer.add_layer_norm_rms_eps(1e-5)
+        writer.add_vocab_size(v)
+        writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+
+        tokens, scores, types = vocab()
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(tokens)
+        writer.add_token_scores(scores)
+        writer.add_token_types(types)
+        writer.add_bos_token_id(BOS_ID)
+        writer.add_eos_token_id(EOS_ID)
+        writer.add_unk_token_id(UNK_ID)
+        writer.add_add_bos_token(True)
+        writer.add_add_eos_token(False)
+        for name, arr in tensors.items():
+            writer.add_tensor(name, arr)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    n_params = sum(int(a.size) for a in tensors.values())
+    return {
+        "path": str(path),
+        "bytes": path.stat().st_size,
+        "tensors": len(tensors),
+        "params": n_params,
+        "vocab": v,
+        **asdict(spec),
+    }

