@@ -7,7 +7,7 @@ same facts, so doctor and the real commands cannot disagree:
     profile          linkctl.core.profile (load_profile)
     host             linkctl.net.link.identify_host
     interface, speed, duplex, address, mtu
-                     linkctl.core.checks.nic_checks (what status and probe apply), on the
+                     linkctl.net.nic_checks (what status and probe apply), on the
                      backend's link_facts
     default route    linkctl.net.link.status
     peer <name>      linkctl.probe.peer.check_peer (ARP who-has, pinned MAC)
@@ -39,11 +39,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from linkctl.core.checks import Check, Verdict, nic_checks, speed_text
+from linkctl.core.checks import Check, Verdict
 from linkctl.core.errors import CheckFailed, ConnectionRefused, InputError
 from linkctl.core.profile import HostSpec, Profile
 from linkctl.net.backend import Backend
 from linkctl.net.netstate import LinkStatus
+from linkctl.net.nic_checks import nic_checks, speed_text
 
 PROBE_FIX = "linkctl probe"
 DEFAULT_PEER_TIMEOUT_S = 2.0
@@ -100,10 +101,10 @@ class DoctorResult:
 
 
 def check_profile(res: DoctorResult, profile_arg: str | None) -> Profile | None:
-    from linkctl.commands.common import load
+    from linkctl.core.profile import load_chosen
 
     try:
-        prof, path = load(profile_arg)
+        prof, path = load_chosen(profile_arg)
     except InputError as e:
         res.add("profile", "FAIL", profile_arg, e.message, e.fix)
         res.bad_input = True

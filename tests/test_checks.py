@@ -7,10 +7,11 @@ import pytest
 from test_probe import _facts
 
 from linkctl import doctor
-from linkctl.core.checks import Check, Verdict, nic_checks
+from linkctl.core.checks import Check, Verdict
 from linkctl.core.profile import load_profile
 from linkctl.net import link
 from linkctl.net.netstate import LinkFacts, Route
+from linkctl.net.nic_checks import nic_checks
 from linkctl.probe.nic import check_nic
 from linkctl.probe.report import ProbeReport
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from typing import Annotated
 
 import typer
 
-DEFAULT_PROFILE = "dgx-mac"
+from linkctl.core.profile import DEFAULT_PROFILE
 
 ProfileOpt = Annotated[
     str | None,
@@ -31,9 +30,9 @@ DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan; chan
 
 
 def load(profile: str | None):
-    from linkctl.core.profile import load_profile
+    from linkctl.core.profile import load_chosen
 
-    return load_profile(profile or os.environ.get("LINKCTL_PROFILE") or DEFAULT_PROFILE)
+    return load_chosen(profile)
 
 
 def load_with_host(profile: str | None, host: str | None, backend=None):

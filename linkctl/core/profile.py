@@ -373,6 +373,17 @@ def resolve_profile_path(name_or_path: str) -> Path:
     )
 
 
+DEFAULT_PROFILE = "dgx-mac"
+
+
+def load_chosen(name_or_path: str | None) -> tuple[Profile, Path]:
+    """The profile a command was given (--profile), else $LINKCTL_PROFILE, else the
+    default, ``dgx-mac``."""
+    import os
+
+    return load_profile(name_or_path or os.environ.get("LINKCTL_PROFILE") or DEFAULT_PROFILE)
+
+
 def load_profile(name_or_path: str) -> tuple[Profile, Path]:
     path = resolve_profile_path(name_or_path)
     try:

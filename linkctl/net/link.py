@@ -16,13 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from linkctl.core.checks import Verdict, nic_checks
+from linkctl.core.checks import Verdict
 from linkctl.core.errors import ApplyError, CheckFailed, InputError
 from linkctl.core.paths import state_dir, write_atomic
 from linkctl.core.profile import HostSpec, Profile
 from linkctl.net import arp
 from linkctl.net.backend import Backend
 from linkctl.net.netstate import Drift, LinkFacts, LinkStatus, Route
+from linkctl.net.nic_checks import nic_checks
 from linkctl.net.plan import Change, Effect, Kind, Plan, apply, rollback
 
 

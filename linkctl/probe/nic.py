@@ -9,9 +9,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from linkctl.core.checks import Verdict, nic_checks
+from linkctl.core.checks import Verdict
 from linkctl.core.profile import HostSpec, Profile
 from linkctl.core.records import NicPart
+from linkctl.net.nic_checks import nic_checks
 from linkctl.probe.report import ProbeReport
 
 
