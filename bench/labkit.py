@@ -53,8 +53,8 @@ sys.exit(1)
 
 RTT = r"""
 import sys
-from linkctl.llama.client import rpc_rtt_us
-print(rpc_rtt_us(int(sys.argv[2]), 200, host=sys.argv[1]))
+from linkctl.llama.rpc import round_trip_us
+print(round_trip_us(sys.argv[1], int(sys.argv[2]), 200))
 """
 
 PROMPT = "the link between two machines carries activations for every token " * 2

@@ -31,6 +31,7 @@ from linkctl.commands import (
     lab,
     link,
     llama,
+    model,
     probe,
     serve,
     service,
@@ -52,7 +53,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-for module in (link, lab, probe, serve, disagg, estimate, service, doctor, llama, verify):
+for module in (link, lab, probe, serve, disagg, model, estimate, service, doctor, llama, verify):
     module.register(app)
 
 

@@ -14,11 +14,11 @@ same facts, so doctor and the real commands cannot disagree:
     llama binaries, rpc protocol, rpc <name>
                      linkctl.llama.bins (find_bins, local_rpc_protocol, compatible),
                      linkctl.llama.rpc
-    serve auth       linkctl.serve.plan.serve_auth (head: API key or explicit opt-out)
+    serve auth       linkctl.serve.auth.serve_auth (head: API key or explicit opt-out)
     services         linkctl.service.status
-    probe report     linkctl.serve.plan.probe_gate (head) / records.latest_probe (rpc host)
+    probe report     linkctl.serve.run.probe_gate (head) / records.latest_probe (rpc host)
     disagg model, slot directory, kv-agent, servers match   (serve.mode = "disaggregated")
-                     linkctl.disagg.plan.doctor_checks (kvxfer.fingerprint, route.compare_servers)
+                     linkctl.disagg.checks.doctor_checks (fingerprint, pair.compare_servers)
 
 Doctor changes nothing on the network. What it sends: an ARP who-has for each peer's
 link address, out of the link interface only; from the head, one TCP connection with
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from linkctl.core.checks import Check, Verdict
+from linkctl.core.checks import Check, Verdict, worst
 from linkctl.core.errors import CheckFailed, ConnectionRefused, InputError
 from linkctl.core.profile import HostSpec, Profile
 from linkctl.net.backend import Backend
@@ -65,12 +65,12 @@ class DoctorResult:
     def add(
         self,
         check: str,
-        verdict: Verdict | str,
+        verdict: Verdict,
         value: Any = None,
         detail: str = "",
         fix: str | None = None,
     ) -> Check:
-        line = Check(check, Verdict(verdict), value, detail=detail, fix=fix)
+        line = Check(check, verdict, value, detail=detail, fix=fix)
         self.lines.append(line)
         return line
 
@@ -81,7 +81,7 @@ class DoctorResult:
     def exit_code(self) -> int:
         if self.bad_input:
             return 2
-        return 1 if any(ln.verdict == "FAIL" for ln in self.lines) else 0
+        return 1 if worst(ln.verdict for ln in self.lines) is Verdict.FAIL else 0
 
     def as_json(self) -> list[dict[str, Any]]:
         """Doctor's documented line shape: check, verdict, value, detail, fix."""
@@ -106,13 +106,13 @@ def check_profile(res: DoctorResult, profile_arg: str | None) -> Profile | None:
     try:
         prof, path = load_chosen(profile_arg)
     except InputError as e:
-        res.add("profile", "FAIL", profile_arg, e.message, e.fix)
+        res.add("profile", Verdict.FAIL, profile_arg, e.message, e.fix)
         res.bad_input = True
         return None
     res.profile = prof.name
     res.add(
         "profile",
-        "PASS",
+        Verdict.PASS,
         prof.name,
         f"{prof.name} ({path}): {len(prof.hosts)} hosts, "
         f"link {prof.link.subnet} MTU {prof.link.mtu}, "
@@ -135,14 +135,14 @@ def check_host(
     try:
         host = identify_host(prof, backend, host_arg)
     except InputError as e:
-        res.add("host", "FAIL", host_arg or os.environ.get("LINKCTL_HOST"), e.message, e.fix)
+        res.add("host", Verdict.FAIL, host_arg or os.environ.get("LINKCTL_HOST"), e.message, e.fix)
         res.bad_input = True
         return None
     res.host, res.role, res.os_name = host.name, host.role, backend.os_name
     note = "" if host.os == backend.os_name else f"; profile says {host.os}"
     res.add(
         "host",
-        "PASS",
+        Verdict.PASS,
         host.name,
         f"{host.name} ({host.role}, {host.interface}, {host.address}) {how}; "
         f"this machine runs {backend.os_name}{note}",
@@ -166,13 +166,13 @@ def check_link(
     except InputError as e:
         res.add(
             "interface",
-            "FAIL",
+            Verdict.FAIL,
             ifname,
             e.message,
             e.fix or "name this machine's direct-link port in the profile (hosts.interface)",
         )
         for name in ("speed", "duplex", "address", "mtu"):
-            res.add(name, "SKIP", None, f"{ifname} does not exist")
+            res.add(name, Verdict.SKIP, None, f"{ifname} does not exist")
         _default_route_line(res, host, backend.default_route())
         return None
     checks = nic_checks(st.facts, host, prof.link)
@@ -186,7 +186,7 @@ def _default_route_line(res: DoctorResult, host: HostSpec, default: Any) -> None
     if default is None:
         res.add(
             "default route",
-            "WARN",
+            Verdict.WARN,
             None,
             "no default route: this machine has no uplink (WiFi down?)",
             "connect the uplink (WiFi); the link itself does not need it",
@@ -194,7 +194,7 @@ def _default_route_line(res: DoctorResult, host: HostSpec, default: Any) -> None
     elif default.ifname == host.interface:
         res.add(
             "default route",
-            "FAIL",
+            Verdict.FAIL,
             default.ifname,
             f"the default route (via {default.gateway}) goes out of the link port {host.interface}",
             "give the link port a static address without a router (`linkctl setup`) "
@@ -203,7 +203,7 @@ def _default_route_line(res: DoctorResult, host: HostSpec, default: Any) -> None
     else:
         res.add(
             "default route",
-            "PASS",
+            Verdict.PASS,
             default.ifname,
             f"via {default.gateway} dev {default.ifname}, not the link",
         )
@@ -235,20 +235,20 @@ def check_peers(
         name = f"peer {peer.name}"
         answered[peer.name] = False
         if why_not:
-            res.add(name, "SKIP", None, why_not)
+            res.add(name, Verdict.SKIP, None, why_not)
             continue
         scratch = ProbeReport(prof.name, host.name, peer.name, peer.ip)
         try:
             ok = check_peer(scratch, host, peer, timeout_s)
         except InputError as e:
-            res.add(name, "FAIL", None, e.message, e.fix)
+            res.add(name, Verdict.FAIL, None, e.message, e.fix)
             continue
         c = scratch.checks[-1]
         if ok:
             answered[peer.name] = True
             res.add(
                 name,
-                "PASS",
+                Verdict.PASS,
                 c.value,
                 f"{peer.ip} answers ARP in {scratch.arp.elapsed_ms} ms; {c.detail}",
             )
@@ -264,7 +264,7 @@ def check_peers(
             fix = "run as root or grant CAP_NET_RAW"
         else:
             fix = f"power {peer.name} on, check the cable, run `linkctl setup` on {peer.name}"
-        res.add(name, "FAIL", c.value, scratch.stopped or c.detail, fix)
+        res.add(name, Verdict.FAIL, c.value, scratch.stopped or c.detail, fix)
     return answered
 
 
@@ -288,7 +288,7 @@ def check_llama(
     try:
         mine = bins.need(role_bin)
     except InputError as e:
-        res.add("llama binaries", "FAIL", None, f"{host.role} host: {e.message}", e.fix)
+        res.add("llama binaries", Verdict.FAIL, None, f"{host.role} host: {e.message}", e.fix)
         mine = None
     if mine:
         versions = [
@@ -297,15 +297,17 @@ def check_llama(
             for b in (bins.llama_server, bins.rpc_server)
             if b
         ]
-        res.add("llama binaries", "PASS", mine.path, "; ".join(versions))
+        res.add("llama binaries", Verdict.PASS, mine.path, "; ".join(versions))
 
     local: tuple[int, int, int] | None = None
     if bins.rpc_server is None and host.role == "rpc":
-        res.add("rpc protocol", "SKIP", None, "no ggml-rpc-server to ask (see llama binaries)")
+        res.add(
+            "rpc protocol", Verdict.SKIP, None, "no ggml-rpc-server to ask (see llama binaries)"
+        )
     elif bins.rpc_server is None:
         res.add(
             "rpc protocol",
-            "WARN",
+            Verdict.WARN,
             None,
             "no ggml-rpc-server beside llama-server: the local RPC protocol version "
             "cannot be learned, so the rpc hosts' versions cannot be compared",
@@ -316,13 +318,13 @@ def check_llama(
             local = llama.local_rpc_protocol(bins, timeout=10.0)
             res.add(
                 "rpc protocol",
-                "PASS",
+                Verdict.PASS,
                 rpc.version_str(local),
                 f"RPC protocol {rpc.version_str(local)} of the local build "
                 f"({Path(bins.rpc_server.path).name}, HELLO on 127.0.0.1)",
             )
         except InputError as e:
-            res.add("rpc protocol", "FAIL", None, e.message, e.fix)
+            res.add("rpc protocol", Verdict.FAIL, None, e.message, e.fix)
 
     if host.role != "head":
         return
@@ -330,40 +332,40 @@ def check_llama(
         name = f"rpc {peer.name}"
         where = peer.rpc_endpoint
         if not answered.get(peer.name):
-            res.add(name, "SKIP", None, f"peer {peer.name} did not answer ARP")
+            res.add(name, Verdict.SKIP, None, f"peer {peer.name} did not answer ARP")
             continue
         if local is None:
-            res.add(name, "SKIP", None, "the local RPC protocol version is unknown")
+            res.add(name, Verdict.SKIP, None, "the local RPC protocol version is unknown")
             continue
         try:
             theirs = hello(peer.rpc_bind, peer.rpc.port, timeout=timeout_s)
         except rpc.RpcBusy:
             res.add(
                 name,
-                "WARN",
+                Verdict.WARN,
                 None,
                 f"{where}: busy (llama-server connected): it answers one client at a time",
                 "nothing to do if that llama-server is yours; else stop it and re-run doctor",
             )
             continue
         except rpc.RpcNoHello as e:
-            res.add(name, "FAIL", None, e.message, e.fix)
+            res.add(name, Verdict.FAIL, None, e.message, e.fix)
             continue
         except ConnectionRefused:
             res.add(
                 name,
-                "SKIP",
+                Verdict.SKIP,
                 None,
                 f"nothing listens on {where} yet (start it: `linkctl serve` on {peer.name})",
             )
             continue
         except InputError as e:
-            res.add(name, "FAIL", None, e.message, e.fix)
+            res.add(name, Verdict.FAIL, None, e.message, e.fix)
             continue
         if llama.compatible(local, theirs):
             res.add(
                 name,
-                "PASS",
+                Verdict.PASS,
                 rpc.version_str(theirs),
                 f"{where} speaks RPC {rpc.version_str(theirs)}, compatible with this "
                 f"head's {rpc.version_str(local)}",
@@ -371,7 +373,7 @@ def check_llama(
         else:
             res.add(
                 name,
-                "FAIL",
+                Verdict.FAIL,
                 rpc.version_str(theirs),
                 f"{where} speaks RPC {rpc.version_str(theirs)}, this head's build speaks "
                 f"{rpc.version_str(local)}: llama-server would refuse it",
@@ -385,23 +387,23 @@ def check_serve_auth(res: DoctorResult, prof: Profile, host: HostSpec) -> None:
     `linkctl serve` enforces)."""
     if host.role != "head":
         return
-    from linkctl.serve.plan import serve_auth
+    from linkctl.serve.auth import serve_auth
 
     try:
         auth = serve_auth(prof)
     except InputError as e:
-        res.add("serve auth", "FAIL", None, e.message, e.fix)
+        res.add("serve auth", Verdict.FAIL, None, e.message, e.fix)
         return
     if auth.mode == "unauthenticated":
         res.add(
             "serve auth",
-            "WARN",
+            Verdict.WARN,
             auth.mode,
             auth.summary(),
             "set serve.api_key_file (a mode-0600 file of keys) unless the network is yours alone",
         )
     else:
-        res.add("serve auth", "PASS", auth.mode, auth.summary())
+        res.add("serve auth", Verdict.PASS, auth.mode, auth.summary())
 
 
 # ---- 8: services ---------------------------------------------------------------------------
@@ -415,12 +417,12 @@ def check_services(
     install = f"sudo linkctl service install --profile {profile_arg} --host {host.name}"
     st = svc.status(root=root)
     if not st.installed:
-        res.add("services", "WARN", None, f"boot services not installed in {root}", install)
+        res.add("services", Verdict.WARN, None, f"boot services not installed in {root}", install)
         return
     if (st.profile, st.host) != (prof.name, host.name):
         res.add(
             "services",
-            "WARN",
+            Verdict.WARN,
             f"{st.profile}/{st.host}",
             f"the installed services are for {st.profile}/{st.host}, not {prof.name}/{host.name}",
             install,
@@ -431,7 +433,7 @@ def check_services(
     if bad_files:
         res.add(
             "services",
-            "WARN",
+            Verdict.WARN,
             st.manager,
             "installed, but " + "; ".join(bad_files),
             f"re-install: {install}",
@@ -439,14 +441,14 @@ def check_services(
     elif down:
         res.add(
             "services",
-            "WARN",
+            Verdict.WARN,
             st.manager,
             "installed, not running: " + "; ".join(down),
             "see `linkctl service status` and the service logs",
         )
     else:
         names = ", ".join(s.name for s in st.services) or "files only"
-        res.add("services", "PASS", st.manager, f"{st.manager}: {names}")
+        res.add("services", Verdict.PASS, st.manager, f"{st.manager}: {names}")
 
 
 # ---- 9: probe report ---------------------------------------------------------------------
@@ -456,7 +458,7 @@ def check_probe_report(
     res: DoctorResult, prof: Profile, host: HostSpec, now: float | None = None
 ) -> None:
     from linkctl.core.records import latest_probe
-    from linkctl.serve.plan import PROBE_MAX_AGE_S, probe_gate
+    from linkctl.serve.run import PROBE_MAX_AGE_S, probe_gate
 
     now = now or time.time()
     if host.role == "head":
@@ -464,9 +466,9 @@ def check_probe_report(
         try:
             lines = probe_gate(prof, host, now=now)
         except CheckFailed as e:
-            res.add("probe report", "WARN", None, e.message, PROBE_FIX)
+            res.add("probe report", Verdict.WARN, None, e.message, PROBE_FIX)
             return
-        res.add("probe report", "PASS", len(lines), "; ".join(lines))
+        res.add("probe report", Verdict.PASS, len(lines), "; ".join(lines))
         return
     # An rpc host probes the head; serve does not gate on it, doctor still asks.
     head = prof.head
@@ -474,7 +476,7 @@ def check_probe_report(
     if found is None:
         res.add(
             "probe report",
-            "WARN",
+            Verdict.WARN,
             None,
             f"no probe report from {host.name} to {head.name} for profile {prof.name}",
             PROBE_FIX,
@@ -485,7 +487,7 @@ def check_probe_report(
     if not r.ok:
         res.add(
             "probe report",
-            "WARN",
+            Verdict.WARN,
             path.name,
             f"latest probe report {path} failed ({', '.join(r.failed) or r.stopped})",
             f"fix the link, then {PROBE_FIX}",
@@ -493,14 +495,14 @@ def check_probe_report(
     elif age > PROBE_MAX_AGE_S:
         res.add(
             "probe report",
-            "WARN",
+            Verdict.WARN,
             path.name,
             f"latest probe report {path} is {age / 3600:.1f} h old "
             f"(limit {PROBE_MAX_AGE_S / 3600:g} h)",
             PROBE_FIX,
         )
     else:
-        res.add("probe report", "PASS", path.name, f"{path.name}: ok, {age:.0f} s old")
+        res.add("probe report", Verdict.PASS, path.name, f"{path.name}: ok, {age:.0f} s old")
 
 
 # ---- the pass ---------------------------------------------------------------------------------
@@ -528,7 +530,7 @@ def run(
     try:
         backend = backend or get_backend()
     except InputError as e:
-        res.add("host", "FAIL", None, e.message, e.fix)
+        res.add("host", Verdict.FAIL, None, e.message, e.fix)
         res.bad_input = True
         return res
     host = check_host(res, prof, backend, host_arg)
@@ -539,9 +541,9 @@ def run(
     check_llama(res, prof, host, answered, peer_timeout_s, hello)
     check_serve_auth(res, prof, host)
     if prof.serve.mode == "disaggregated":
-        from linkctl.disagg.plan import doctor_checks
+        from linkctl.disagg.checks import doctor_checks
 
-        doctor_checks(res, prof, host, answered, peer_timeout_s)
+        res.lines += doctor_checks(prof, host, answered, peer_timeout_s)
     shown = profile_arg or os.environ.get("LINKCTL_PROFILE") or prof.name
     check_services(res, prof, host, shown, service_root)
     check_probe_report(res, prof, host, now)

@@ -123,20 +123,20 @@ def _loopback_profile(port: int):
 
 
 def test_protocol_mismatch_carries_both_versions():
-    from linkctl.serve import plan as sv
+    from linkctl.serve import run
 
     port = free_port()
     fake = start_fake("v3", port, version="3.0.0")
     try:
         prof = _loopback_profile(port)
         with pytest.raises(RpcProtocolMismatch) as e:
-            sv.check_endpoints(prof, (7, 0, 0), "test build")
+            run.check_endpoints(prof, (7, 0, 0), "test build")
         assert (e.value.local, e.value.remote, e.value.exit_code) == ((7, 0, 0), (3, 0, 0), 2)
         assert re.search(
             r"speaks RPC protocol 3\.0\.0 .*this head's build speaks 7\.0\.0", str(e.value)
         )
         # The same endpoint, a compatible local build: no error.
-        assert sv.check_endpoints(prof, (3, 0, 0), "test build")[0]["version"] == "3.0.0"
+        assert run.check_endpoints(prof, (3, 0, 0), "test build")[0]["version"] == "3.0.0"
     finally:
         stop(fake)
 
@@ -146,14 +146,14 @@ def test_serve_wait_refuses_a_mismatch_at_once_and_waits_out_refused():
     protocol mismatch is raised at once; decided by type."""
     import time
 
-    from linkctl.serve import plan as sv
+    from linkctl.serve import run
 
     port = free_port()
     prof = _loopback_profile(port)
     lines: list[str] = []
     t0 = time.monotonic()
     with pytest.raises(ConnectionRefused):
-        sv.wait_endpoints(prof, (7, 0, 0), "test build", wait_s=1.0, say=lines.append)
+        run.wait_endpoints(prof, (7, 0, 0), "test build", wait_s=1.0, say=lines.append)
     assert time.monotonic() - t0 >= 1.0
     assert lines and lines[0].startswith("waiting for rpc endpoints: rpc endpoint 127.0.0.1:")
 
@@ -161,7 +161,7 @@ def test_serve_wait_refuses_a_mismatch_at_once_and_waits_out_refused():
     try:
         t0 = time.monotonic()
         with pytest.raises(RpcProtocolMismatch):
-            sv.wait_endpoints(prof, (7, 0, 0), "test build", wait_s=30.0, say=lines.append)
+            run.wait_endpoints(prof, (7, 0, 0), "test build", wait_s=30.0, say=lines.append)
         assert time.monotonic() - t0 < 10.0
     finally:
         stop(fake)

@@ -13,6 +13,7 @@ import pytest
 
 from linkctl.core.errors import InputError
 from linkctl.disagg import kvxfer
+from linkctl.disagg.fingerprint import fingerprint
 
 LO = ipaddress.IPv4Network("127.0.0.0/8")
 
@@ -111,18 +112,21 @@ def test_fingerprint_tells_files_apart(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     a.write_bytes(b"\0" * 100)
     b.write_bytes(b"\0" * 99 + b"\1")
-    fa, fb = kvxfer.fingerprint(a), kvxfer.fingerprint(b)
-    assert fa["size"] == fb["size"] and fa["sha256"] != fb["sha256"]
-    assert kvxfer.fingerprint(tmp_path / "none")["size"] is None
+    fa, fb = fingerprint(a), fingerprint(b)
+    assert fa.size == fb.size and fa.sha256 != fb.sha256 and not fa.same_file(fb)
+    assert fa.same_file(fingerprint(a)) and fa.diff(fingerprint(a)) == []
+    gone = fingerprint(tmp_path / "none")
+    assert gone.size is None and gone.error and not gone.same_file(gone)
 
 
 def test_agent_reports_the_kv_layout_its_server_runs(areas, tmp_path):
-    from linkctl.disagg.plan import kv_layout
+    from linkctl.llama.invocation import KvLayout, ServerInvocation
 
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF")
-    layout = kv_layout(["llama-server", "-m", "m.gguf", "-ctk", "q8_0", "--flash-attn", "on"])
-    assert layout == {"cache_type_k": "q8_0", "cache_type_v": "f16", "flash_attn": "on"}
-    with kvxfer.Agent("127.0.0.1", 0, areas, LO, model=str(model), kv_layout=layout) as a:
+    extra = ["-ctk", "q8_0", "--flash-attn", "on"]
+    layout = ServerInvocation("llama-server", "m.gguf").with_extra(extra, "serve.extra_args").kv
+    assert layout == KvLayout("q8_0", "f16", "on")
+    with kvxfer.Agent("127.0.0.1", 0, areas, LO, model=str(model), kv=layout) as a:
         got = kvxfer.remote_model("127.0.0.1", a.port)
-    assert got["kv_layout"] == layout and got["size"] == 4
+    assert got == fingerprint(model, layout) and got.size == 4

@@ -233,7 +233,7 @@ def test_route_disaggregated_equals_decode_alone_stream_and_fallback(make_lab, t
 
 
 def test_compare_servers_names_each_difference():
-    from linkctl.disagg.route import compare_servers
+    from linkctl.disagg.pair import compare_servers
 
     a = {
         "build_info": "b1-abc",
@@ -251,16 +251,29 @@ def test_compare_servers_names_each_difference():
 
 
 def test_kv_cache_flags_that_differ_are_named():
-    from linkctl.disagg.plan import kv_layout
-    from linkctl.disagg.route import compare_kv_layout
+    from linkctl.disagg.fingerprint import ModelFingerprint
+    from linkctl.llama.invocation import KvLayout, ServerInvocation
 
-    default = kv_layout(["llama-server"])
-    assert default == {"cache_type_k": "f16", "cache_type_v": "f16", "flash_attn": "auto"}
-    assert compare_kv_layout(default, kv_layout(["x", "-ctk", "f16"])) == []
-    diffs = compare_kv_layout(default, kv_layout(["x", "--cache-type-v", "q4_0", "-fa", "off"]))
-    assert diffs == [
+    def layout(*extra: str) -> KvLayout:
+        return ServerInvocation("llama-server", "m.gguf").with_extra(extra, "serve.extra_args").kv
+
+    default = layout()
+    assert default == KvLayout("f16", "f16", "auto")
+    assert layout("-ctk", "f16") == default
+
+    def fp(kv: KvLayout | None) -> ModelFingerprint:
+        return ModelFingerprint("/m.gguf", 4, "ab", kv)
+
+    other = layout("--cache-type-v", "q4_0", "-fa", "off")
+    assert [d.text("decode", "prefill") for d in fp(default).diff(fp(other))] == [
         "KV cache cache_type_v: decode f16, prefill q4_0",
         "KV cache flash_attn: decode auto, prefill off",
     ]
     # An agent that reports no layout (an older linkctl) is not compared.
-    assert compare_kv_layout(default, None) == []
+    assert fp(default).diff(fp(None)) == []
+    # Another file is named as a whole, whatever its path.
+    moved = ModelFingerprint("/elsewhere/m.gguf", 4, "ab", default)
+    assert fp(default).diff(moved) == []
+    assert [d.field for d in fp(default).diff(ModelFingerprint("/m.gguf", 5, "cd"))] == [
+        "model file"
+    ]

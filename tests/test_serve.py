@@ -16,6 +16,7 @@ from linkctl.core.errors import CheckFailed, InputError
 from linkctl.core.profile import RpcSpec, load_profile
 from linkctl.llama.bins import Binary, LlamaBins, compatible
 from linkctl.serve import plan as sv
+from linkctl.serve import run
 
 BINS = LlamaBins(
     rpc_server=Binary("rpc-server", "/opt/llama/bin/ggml-rpc-server", "test"),
@@ -27,7 +28,7 @@ def test_plan_rpc_and_head_argv():
     prof, _ = load_profile("dgx-mac")
     plan = sv.build_plan(prof, prof.host("dgx"), BINS)
     assert plan.role == "rpc"
-    assert plan.argv == [
+    assert plan.invocation.argv() == [
         "/opt/llama/bin/ggml-rpc-server",
         "-H",
         "192.168.100.2",
@@ -36,7 +37,7 @@ def test_plan_rpc_and_head_argv():
         "-c",
     ]
     # the head line names the binary by name: it is resolved on the head
-    assert plan.head_argv == [
+    assert plan.head.argv() == [
         "llama-server",
         "-m",
         "/Users/Shared/models/model.gguf",
@@ -52,8 +53,8 @@ def test_plan_rpc_and_head_argv():
         "9999",
     ]
     head = sv.build_plan(prof, prof.host("mac"), BINS, model="/m/x.gguf")
-    assert head.argv[0] == "/opt/llama/bin/llama-server"
-    assert head.argv[1:3] == ["-m", "/m/x.gguf"]
+    assert head.invocation.argv()[0] == "/opt/llama/bin/llama-server"
+    assert head.invocation.argv()[1:3] == ["-m", "/m/x.gguf"]
     assert head.health_url == "http://127.0.0.1:9999/health"
 
 
@@ -73,12 +74,12 @@ def test_plan_two_rpc_hosts_tensor_split_and_options(tmp_path):
     prof = parse_profile(data)
     plan = sv.build_plan(prof, prof.head, BINS, model="/m.gguf")
     assert plan.endpoints == ["192.168.100.2:50052", "192.168.100.3:50052"]
-    a = plan.head_argv
+    a = plan.head.argv()
     assert a[a.index("--rpc") + 1] == "192.168.100.2:50052,192.168.100.3:50052"
     # RPC devices first in --rpc order, then the head's own
     assert a[a.index("-ts") + 1] == "3,1,2"
     assert a[-1] == "--no-mmap"
-    assert plan.rpc_argv["dgx2"] == [
+    assert plan.rpc["dgx2"].argv() == [
         "ggml-rpc-server",
         "-H",
         "192.168.100.3",
@@ -117,7 +118,7 @@ def test_wildcard_bind_refused_by_profile_and_by_plan(tmp_path):
             }
         )
         with pytest.raises(InputError, match=what):
-            sv.rpc_argv(forged, "ggml-rpc-server")
+            sv.rpc_invocation(forged, "ggml-rpc-server")
 
 
 def test_dry_run_prints_both_lines():
@@ -282,18 +283,18 @@ def test_probe_gate(tmp_path):
     prof, _ = load_profile("dgx-mac")
     d = tmp_path / "probe"
     with pytest.raises(CheckFailed, match="no probe report"):
-        sv.probe_gate(prof, prof.head, directory=d)
+        run.probe_gate(prof, prof.head, directory=d)
     _report(d, "other.json", profile="dgx2-mac-switch")
     with pytest.raises(CheckFailed, match="no probe report"):
-        sv.probe_gate(prof, prof.head, directory=d)
+        run.probe_gate(prof, prof.head, directory=d)
     _report(d, "latest.json", ok=False, checks=[{"name": "throughput", "verdict": "FAIL"}])
     with pytest.raises(CheckFailed, match=r"failed \(throughput\)"):
-        sv.probe_gate(prof, prof.head, directory=d)
+        run.probe_gate(prof, prof.head, directory=d)
     _report(d, "latest.json", time="2020-01-01T00:00:00Z")
     with pytest.raises(CheckFailed, match="h old"):
-        sv.probe_gate(prof, prof.head, directory=d)
+        run.probe_gate(prof, prof.head, directory=d)
     _report(d, "latest.json")
-    lines = sv.probe_gate(prof, prof.head, directory=d)
+    lines = run.probe_gate(prof, prof.head, directory=d)
     assert len(lines) == 1 and "ok" in lines[0]
 
 

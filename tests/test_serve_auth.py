@@ -22,6 +22,7 @@ from linkctl import doctor
 from linkctl.core.errors import InputError
 from linkctl.core.profile import parse_profile
 from linkctl.llama.bins import LlamaBins
+from linkctl.serve import auth as sa
 from linkctl.serve import plan as sv
 
 BASE = tomllib.loads((PROFILES / "dgx-mac.toml").read_text())
@@ -49,10 +50,10 @@ def key_file(tmp_path: Path, text: str = f"# the head's key\n{KEY}\n", mode: int
     "host,exposure", [("127.0.0.1", "loopback"), ("192.168.100.1", "link")]
 )  # 192.168.100.1 is the head's link address in dgx-mac
 def test_loopback_and_the_link_need_no_key(host, exposure):
-    auth = sv.serve_auth(profile(host=host))
+    auth = sa.serve_auth(profile(host=host))
     assert (auth.exposure, auth.mode) == (exposure, "not-needed")
     plan = sv.build_plan(profile(host=host), profile().head, BINS, model="/m.gguf")
-    assert "--api-key-file" not in plan.head_argv and plan.auth["mode"] == "not-needed"
+    assert "--api-key-file" not in plan.head.argv() and plan.auth.mode == "not-needed"
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "192.168.68.50"])  # everywhere; the Wi-Fi LAN
@@ -70,7 +71,7 @@ def test_beyond_the_link_without_a_key_is_refused(host):
 def test_explicit_opt_out_serves_open_and_says_so():
     prof = profile(host="0.0.0.0", allow_unauthenticated=True)
     plan = sv.build_plan(prof, prof.head, BINS, model="/m.gguf")
-    assert plan.auth["mode"] == "unauthenticated" and "--api-key-file" not in plan.head_argv
+    assert plan.auth.mode == "unauthenticated" and "--api-key-file" not in plan.head.argv()
     assert any("WITHOUT authentication" in n for n in plan.notes)
 
 
@@ -78,9 +79,9 @@ def test_a_key_file_is_passed_as_api_key_file(tmp_path):
     path = key_file(tmp_path)
     prof = profile(host="0.0.0.0", api_key_file=path)
     plan = sv.build_plan(prof, prof.head, BINS, model="/m.gguf")
-    i = plan.head_argv.index("--api-key-file")
-    assert plan.head_argv[i + 1] == path
-    assert plan.auth == {"exposure": "exposed", "mode": "api-key", "api_key_file": path, "keys": 1}
+    i = plan.head.argv().index("--api-key-file")
+    assert plan.head.argv()[i + 1] == path
+    assert plan.auth == sa.ServeAuth("exposed", "api-key", path, 1)
 
 
 @pytest.mark.parametrize(
@@ -100,14 +101,14 @@ def test_bad_key_files_are_refused(tmp_path, text, mode, want):
     path = str(tmp_path / "missing") if text is None else key_file(tmp_path, text, mode)
     prof = profile(host="0.0.0.0", api_key_file=path)
     with pytest.raises(InputError) as e:
-        sv.serve_auth(prof)
+        sa.serve_auth(prof)
     assert e.value.exit_code == 2 and want in e.value.message, e.value.message
     assert e.value.message.startswith(f"serve.api_key_file = {path!r}")
 
 
 def test_a_directory_is_not_a_key_file(tmp_path):
     with pytest.raises(InputError, match="not a regular file"):
-        sv.read_api_keys(str(tmp_path))
+        sa.read_api_keys(str(tmp_path))
 
 
 def test_relative_key_file_path_is_a_profile_error():
@@ -284,7 +285,7 @@ def test_disaggregated_mode_follows_the_same_rule(tmp_path):
     keys = key_file(tmp_path)
     prof = profile(mode="disaggregated", host="0.0.0.0", api_key_file=keys)
     plan = disagg.build_plan(prof, prof.head, "llama-server", "/m.gguf")
-    for argv in (plan.prefill_argv, plan.decode_argv):
+    for argv in (plan.prefill.argv(), plan.decode.argv()):
         assert argv[argv.index("--api-key-file") + 1] == keys
     data = json.loads(json.dumps(BASE))
     data["serve"] |= {"mode": "disaggregated", "host": "0.0.0.0"}

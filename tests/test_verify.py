@@ -15,17 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from linkctl.serve.verify import (
-    TOLERANCES,
-    Device,
-    Step,
-    another_split,
-    compare,
-    model_buffers,
-    parse_list_devices,
-    parse_probs,
-    position_diff,
-)
+from linkctl.llama.invocation import ServerInvocation
+from linkctl.serve.logprobs import TOLERANCES, Step, compare, parse_probs, position_diff
+from linkctl.serve.placement import Device, another_split, model_buffers, parse_list_devices
 
 SAME, MIXED = TOLERANCES["same"], TOLERANCES["mixed"]
 
@@ -131,20 +123,20 @@ def test_list_devices_and_model_buffers_parsing():
 
 
 def test_another_split_moves_layers_and_says_where():
-    base = ["llama-server", "-m", "m.gguf", "--rpc", "h:1", "-ngl", "99"]
+    base = ServerInvocation("llama-server", "m.gguf", rpc=("h:1",), ngl=99)
     # One split device (CPU-only head): the boundary moves by -ngl.
-    argv, ref, split = another_split(base, 6, [Device("RPC0", "h:1", 1000)])
-    assert argv[-2:] == ["-ngl", "4"]
+    inv, ref, split = another_split(base, 6, [Device("RPC0", "h:1", 1000)])
+    assert inv.ngl == 4 and inv.changed(ngl=99) == base
     assert split == "slots 0-6 on RPC0 (slot 6 = output layer)"
     assert ref == "slots 0-2 on head CPU, slots 3-6 on RPC0 (slot 6 = output layer)"
     # Two split devices: a different -ts.
     devs = [Device("RPC0", "h:1", 1000), Device("Metal", "M2", 1000)]
-    argv, ref, split = another_split(base, 6, devs)
-    assert argv[-2] == "-ts" and ref != split
+    inv, ref, split = another_split(base, 6, devs)
+    assert inv.tensor_split and inv.changed(tensor_split=None) == base and ref != split
     from linkctl.core.errors import InputError
 
     with pytest.raises(InputError, match="no layer on a split device"):
-        another_split([*base, "-ngl", "0"], 6, devs)
+        another_split(base.changed(ngl=0), 6, devs)
 
 
 def test_bad_input_exits_2_and_writes_nothing(tmp_path):

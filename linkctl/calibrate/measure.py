@@ -14,7 +14,7 @@ from pathlib import Path
 
 from linkctl.calibrate.plan import CalibrationPlan
 from linkctl.core.runner import Runner, default_runner, stop_process
-from linkctl.llama.client import Timing, prompt_tokens, rpc_rtt_us, timed_completions, wait_health
+from linkctl.llama.client import Timing, local
 
 
 @dataclass(frozen=True)
@@ -70,26 +70,26 @@ def measure(
     runs: list[list[Timing]] = [[] for _ in plan.servers]
     with _Servers(runner) as srv:
         for s in plan.servers:
-            say(f"loading {s.argv[2]} in llama-server on 127.0.0.1:{s.port}")
-            wait_health(s.port, srv.spawn(s.argv, Path(s.log)), 300, Path(s.log))
-        prompt = prompt_tokens(plan.servers[0].port, plan.prompt_tokens)
+            say(f"loading {s.invocation.model} in llama-server on 127.0.0.1:{s.port}")
+            local(s.port).wait_healthy(srv.spawn(s.argv, Path(s.log)), 300, Path(s.log))
+        prompt = local(plan.servers[0].port).prompt_tokens(plan.prompt_tokens)
         for n in range(plan.runs):
             say(f"timed run {n + 1}/{plan.runs} on each of {len(plan.servers)} models")
             for i, s in enumerate(plan.servers):
-                runs[i] += timed_completions(s.port, plan.tokens, 1, prompt)
+                runs[i] += local(s.port).timed_completions(plan.tokens, 1, prompt)
     if not (plan.rpc_server and plan.rpc_head):
         return Measurements(runs)
 
-    from linkctl.llama.rpc import wait_ready
+    from linkctl.llama.rpc import round_trip_us, wait_ready
 
     with _Servers(runner) as srv:
         rs, head = plan.rpc_server, plan.rpc_head
         say(f"ggml-rpc-server on 127.0.0.1:{rs.port}: loopback round trip")
         srv.spawn(rs.argv, Path(rs.log))
         wait_ready("127.0.0.1", rs.port, 30)
-        loop_rtt = rpc_rtt_us(rs.port)
-        say(f"loading {head.argv[2]} in llama-server behind it, {plan.runs} timed runs")
+        loop_rtt = round_trip_us("127.0.0.1", rs.port)
+        say(f"loading {head.invocation.model} in llama-server behind it, {plan.runs} timed runs")
         hp = srv.spawn(head.argv, Path(head.log))
-        wait_health(head.port, hp, 300, Path(head.log))
-        rpc_runs = timed_completions(head.port, plan.tokens, plan.runs, prompt)
+        local(head.port).wait_healthy(hp, 300, Path(head.log))
+        rpc_runs = local(head.port).timed_completions(plan.tokens, plan.runs, prompt)
     return Measurements(runs, RpcRuns(loop_rtt, rpc_runs))

@@ -11,16 +11,17 @@ calibrate_measure.measure runs it; calibrate.record turns the figures into the r
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field, computed_field
 
 from linkctl.core.errors import InputError
 from linkctl.core.profile import Profile
 from linkctl.core.runner import Runner
 from linkctl.gguf.tiny import TinySpec
+from linkctl.llama.invocation import RpcServerInvocation, ServerInvocation
 
 # Generated models for the two-term solve: many thin blocks against few wide ones, so
 # the per-block cost and the bandwidth weigh differently in their per-token times.
@@ -52,9 +53,20 @@ class PlannedModel(BaseModel):
 
 
 class Server(BaseModel):
-    argv: list[str]
-    port: int
+    """One server calibrate starts, and where its log goes."""
+
+    invocation: ServerInvocation | RpcServerInvocation = Field(exclude=True)
     log: str
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def argv(self) -> list[str]:
+        return self.invocation.argv()
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def port(self) -> int:
+        return self.invocation.port
 
 
 class CpuQuota(BaseModel):
@@ -237,33 +249,30 @@ def plan(
             f"--tokens {tokens} does not fit the model's context {ctx}", "use fewer --tokens"
         )
 
-    def server(mp: str, log: str, *extra: str) -> Server:
-        port = free_port()
-        argv = [bins.llama_server.path, "-m", mp, "-c", str(ctx), "-np", "1", "-ngl", "99"]
-        argv += ["--host", "127.0.0.1", *(["-t", str(threads)] if threads else [])]
-        return Server(argv=[*argv, "--port", str(port), *extra], port=port, log=log)
+    server = bins.llama_server.path
 
-    servers = [server(m.path, str(workdir / f"llama-server-{i}.log")) for i, m in enumerate(models)]
+    def on_loopback(model: str, log: str, **more: Any) -> Server:
+        inv = ServerInvocation(
+            server, model, "127.0.0.1", free_port(), ngl=99, ctx=ctx, slots=1, threads=threads
+        )
+        return Server(invocation=replace(inv, **more), log=log)
+
+    servers = [
+        on_loopback(m.path, str(workdir / f"llama-server-{i}.log")) for i, m in enumerate(models)
+    ]
     rpc_server = rpc_head = None
     if rpc and bins.rpc_server:
-        port = free_port()
-        rpc_server = Server(
-            argv=[bins.rpc_server.path, "-H", "127.0.0.1", "-p", str(port)]
-            + (["-t", str(threads)] if threads else []),
-            port=port,
-            log=str(workdir / "rpc-server.log"),
-        )
+        rs = RpcServerInvocation(bins.rpc_server.path, "127.0.0.1", free_port(), threads=threads)
+        rpc_server = Server(invocation=rs, log=str(workdir / "rpc-server.log"))
         # All layers on the RPC device: a GPU build would otherwise keep them local. The
         # device is named RPC0 (`llama-server --rpc H:P --list-devices` at b11434:
         # "RPC0: 127.0.0.1:50999"); "RPC0[H:P]" is its buffer's name, which --device
         # refuses ("invalid device").
-        device = ["--device", "RPC0"] if dev.kind == "gpu" else []
-        rpc_head = server(
+        rpc_head = on_loopback(
             models[0].path,
             str(workdir / "llama-server-rpc.log"),
-            "--rpc",
-            f"127.0.0.1:{port}",
-            *device,
+            rpc=(rs.endpoint,),
+            devices=("RPC0",) if dev.kind == "gpu" else (),
         )
     return CalibrationPlan(
         host=h.name,
@@ -280,7 +289,7 @@ def plan(
         servers=servers,
         rpc_server=rpc_server,
         rpc_head=rpc_head,
-        llama_server=bins.llama_server.path,
+        llama_server=server,
         workdir=str(workdir),
         saves_to=str(calibration_path()),
         catalog_layer_us=dev.decode.layer_us,

@@ -8,16 +8,18 @@ from typing import Annotated
 import typer
 
 from linkctl.commands.common import HostOpt, JsonOpt, ProfileOpt
+from linkctl.core.checks import Verdict
 from linkctl.core.output import console, print_json, verdict_lines
 
 
 def _render(res) -> None:
     verdict_lines(
-        [(str(ln.verdict), ln.name, ln.detail or str(ln.value or ""), ln.fix) for ln in res.lines]
+        [(ln.verdict, ln.name, ln.detail or str(ln.value or ""), ln.fix) for ln in res.lines]
     )
     if res.bad_input:
         return
-    counts = {v: sum(ln.verdict == v for ln in res.lines) for v in ("FAIL", "WARN", "PASS", "SKIP")}
+    order = (Verdict.FAIL, Verdict.WARN, Verdict.PASS, Verdict.SKIP)
+    counts = {v: sum(ln.verdict is v for ln in res.lines) for v in order}
     summary = ", ".join(f"{n} {v}" for v, n in counts.items() if n)
     console.print(
         f"doctor {res.profile}/{res.host} ({res.role}, {res.os_name}): {summary} "

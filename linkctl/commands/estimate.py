@@ -243,18 +243,12 @@ def register(app: typer.Typer) -> None:
             return
         from linkctl.calibrate.measure import measure
         from linkctl.calibrate.solve import as_json, record, render_calibration
+        from linkctl.core.log import speaker
         from linkctl.core.records import save_calibration
 
-        rec = record(p, measure(p, say=_say_calibrate))
+        rec = record(p, measure(p, say=speaker("calibrate")))
         out = as_json(rec, save_calibration(p.host, rec))
         if json_out:
             print_json(out)
         else:
             render_calibration(out)
-
-
-def _say_calibrate(msg: str) -> None:
-    import sys
-
-    sys.stderr.write(f"linkctl[calibrate] {msg}\n")
-    sys.stderr.flush()

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from linkctl.commands.common import DryRunOpt, HostOpt, JsonOpt, ProfileOpt, load, load_with_host
+from linkctl.core.checks import Verdict
 from linkctl.core.output import console, print_json, verdict
 
 profile_app = typer.Typer(help="Validate and show profiles.", no_args_is_help=True)
@@ -179,7 +180,7 @@ def register(app: typer.Typer) -> None:
             for k, v in rows:
                 console.print(f"{k:>14}  {v}", markup=False)
             if not st.drift:
-                console.print(f"{'drift':>14}  {verdict('PASS')} none: link is as profiled")
+                console.print(f"{'drift':>14}  {verdict(Verdict.PASS)} none: link is as profiled")
             for d in st.drift:
                 console.print(
                     f"{'drift':>14}  {verdict(d.severity)} {d.field}: want {d.want}, have {d.have}"

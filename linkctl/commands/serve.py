@@ -1,57 +1,39 @@
-"""serve: rpc-server on rpc hosts, llama-server on the head, supervised; model write-tiny."""
+"""serve: rpc-server on rpc hosts, llama-server on the head, supervised."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from linkctl.commands.common import DryRunOpt, HostOpt, JsonOpt, ProfileOpt, load_with_host
 from linkctl.core.output import console, print_json, warn_line
 
-model_app = typer.Typer(help="Model files for tests and the lab.", no_args_is_help=True)
+if TYPE_CHECKING:
+    from linkctl.core.profile import HostSpec, Profile
+    from linkctl.llama.bins import LlamaBins
+    from linkctl.net.backend import Backend
+    from linkctl.serve.split import SplitChoice
 
 
-@model_app.command("write-tiny")
-def write_tiny(
-    path: Annotated[str, typer.Argument(help="Where to write the .gguf file.")],
-    layers: Annotated[int, typer.Option("--layers", help="Transformer blocks.")] = 4,
-    embd: Annotated[int, typer.Option("--embd", help="Embedding width.")] = 64,
-    ff: Annotated[int, typer.Option("--ff", help="Feed-forward width.")] = 128,
-    seed: Annotated[int, typer.Option("--seed", help="Random seed (same seed, same bytes).")] = 0,
-    json_: JsonOpt = False,
+def verify_gate(
+    prof: Profile, bins: LlamaBins, model: str | None, wait: float, choice: SplitChoice
 ) -> None:
-    """Write a tiny random-weight llama GGUF (byte-level vocab); nothing is downloaded.
-
-    Example: linkctl model write-tiny /tmp/tiny.gguf --layers 4
-    """
-    from linkctl.gguf.tiny import TinySpec, write_tiny_llama
-
-    info = write_tiny_llama(path, TinySpec(n_layer=layers, n_embd=embd, n_ff=ff, seed=seed))
-    if json_:
-        print_json(info)
-    else:
-        console.print(
-            f"wrote {info['path']}: {info['params']} params, {info['n_layer']} layers, "
-            f"{info['bytes']} bytes",
-            markup=False,
-        )
-
-
-def verify_gate(prof, bins, model: str | None, wait: float, choice=None) -> None:
     """`linkctl verify` on the served model and split before llama-server starts; a FAIL
     stops here."""
-    from linkctl.commands.verify import say
     from linkctl.core.errors import CheckFailed
+    from linkctl.core.log import speaker
     from linkctl.llama import rpc
     from linkctl.serve.verify import VerifyOptions, verify
 
+    say = speaker("verify")
     for h in prof.rpc_hosts:  # the rpc hosts may still be starting, as run_head allows
         rpc.wait_ready(h.rpc_bind, h.rpc.port, wait)
     rep = verify(prof, VerifyOptions(model=model, split=choice), bins, say=say)
     for ln in rep.lines:
-        say(f"{ln['verdict']} {ln['check']}: {ln['detail']}")
+        say(f"{ln.verdict} {ln.name}: {ln.detail}")
     say(rep.summary())
     if rep.exit_code:
         raise CheckFailed(
@@ -61,8 +43,6 @@ def verify_gate(prof, bins, model: str | None, wait: float, choice=None) -> None
 
 
 def register(app: typer.Typer) -> None:
-    app.add_typer(model_app, name="model")
-
     @app.command()
     def serve(
         profile: ProfileOpt = None,
@@ -132,13 +112,15 @@ def register(app: typer.Typer) -> None:
           linkctl serve --host mac --model /models/m.gguf
         """
         from linkctl.llama.bins import find_bins
+        from linkctl.serve import auth, run
         from linkctl.serve import plan as sv
+        from linkctl.serve.split import choose_split
 
         prof, h, backend = load_with_host(profile, host)
         bins = find_bins(h.llama_bin_dir)
 
-        def head_split() -> sv.SplitChoice:
-            return sv.choose_split(prof, model or prof.serve.model, split, calibration=calibration)
+        def head_split() -> SplitChoice:
+            return choose_split(prof, model or prof.serve.model, split, calibration=calibration)
 
         if prof.serve.mode == "disaggregated":
             if verify or prof.serve.verify:
@@ -168,9 +150,9 @@ def register(app: typer.Typer) -> None:
                         f"{', ' + b.version if b.version else ''})",
                         markup=False,
                     )
-            for name, argv in plan.rpc_argv.items():
-                console.print(f"rpc  {name}: {' '.join(argv)}", markup=False)
-            console.print(f"head {prof.head.name}: {' '.join(plan.head_argv)}", markup=False)
+            for name, inv in plan.rpc.items():
+                console.print(f"rpc  {name}: {' '.join(inv.argv())}", markup=False)
+            console.print(f"head {prof.head.name}: {' '.join(plan.head.argv())}", markup=False)
             if choice is not None:
                 console.print(choice.summary(), markup=False)
             return
@@ -179,39 +161,54 @@ def register(app: typer.Typer) -> None:
             if json_:
                 print_json(plan.as_dict())
             bins.need("rpc-server")
-            raise typer.Exit(sv.run_rpc(plan, h, backend))
-        sv.serve_auth(prof)  # an open API is refused before anything starts
+            raise typer.Exit(run.run_rpc(plan, h, backend))
+        auth.serve_auth(prof)  # an open API is refused before anything starts
         bins.need("llama-server")
-        sv.model_path_check(model or prof.serve.model)
-        if skip_probe:
-            warn_line("--skip-probe: serving without a passing probe report for this link")
-        else:
-            import sys
-
-            for line in sv.probe_gate(prof, h):
-                sys.stderr.write(f"linkctl: {line}\n")
+        run.model_path_check(model or prof.serve.model)
+        _probe_gate(prof, h, skip_probe)
         choice = head_split()
         plan = sv.build_plan(prof, h, bins, model, choice)
         if json_:
             print_json(plan.as_dict())
         if verify or prof.serve.verify:
             verify_gate(prof, bins, plan.model, wait, choice)
-        raise typer.Exit(sv.run_head(plan, prof, bins, wait_s=wait, split=choice))
+        raise typer.Exit(run.run_head(plan, prof, bins, wait_s=wait, split=choice))
 
 
-def _serve_disaggregated(prof, h, backend, bins, model, skip_probe, dry_run, json_) -> None:
+def _probe_gate(prof: Profile, h: HostSpec, skip_probe: bool) -> None:
+    """The head serves only over a link with a passing probe report (or --skip-probe)."""
+    from linkctl.serve.run import probe_gate
+
+    if skip_probe:
+        warn_line("--skip-probe: serving without a passing probe report for this link")
+        return
+    for line in probe_gate(prof, h):
+        sys.stderr.write(f"linkctl: {line}\n")
+
+
+def _serve_disaggregated(
+    prof: Profile,
+    h: HostSpec,
+    backend: Backend,
+    bins: LlamaBins,
+    model: str | None,
+    skip_probe: bool,
+    dry_run: bool,
+    json_: bool,
+) -> None:
     """serve.mode = "disaggregated": the prefill host runs the prefill llama-server and
     the kv-agent on its link address; the head runs the decode llama-server and route."""
-    import sys
-
+    from linkctl.core.errors import InputError
     from linkctl.disagg import plan as disagg
-    from linkctl.serve import plan as sv
+    from linkctl.disagg import run
+    from linkctl.serve.auth import read_api_keys, serve_auth
+    from linkctl.serve.run import model_path_check
 
     # route listens on serve.host: the same API rule as the split mode; the prefill
     # host's llama-server reads the same key file (its path, on that host).
-    auth = sv.serve_auth(prof) if h.role == "head" else None
+    auth = serve_auth(prof) if h.role == "head" else None
     if auth is None and prof.serve.api_key_file:
-        sv.read_api_keys(prof.serve.api_key_file)
+        read_api_keys(prof.serve.api_key_file)
     binary = bins.llama_server.path if bins.llama_server else "llama-server"
     plan = disagg.build_plan(prof, h, binary, model)
     if dry_run:
@@ -220,32 +217,25 @@ def _serve_disaggregated(prof, h, backend, bins, model, skip_probe, dry_run, jso
             return
         for note in plan.notes:
             console.print(f"[cyan]note:[/] {note}")
-        console.print(
-            f"prefill {prof.prefill_host.name}: {' '.join(plan.prefill_argv)}", markup=False
-        )
-        console.print(f"kv-agent {prof.prefill_host.name}: {plan.agent}", markup=False)
-        console.print(f"decode  {prof.head.name}: {' '.join(plan.decode_argv)}", markup=False)
-        console.print(f"route   {prof.head.name}: {plan.route_listen}", markup=False)
+        pre, head = prof.prefill_host.name, prof.head.name
+        console.print(f"prefill {pre}: {' '.join(plan.prefill.argv())}", markup=False)
+        console.print(f"kv-agent {pre}: {plan.agent}", markup=False)
+        console.print(f"decode  {head}: {' '.join(plan.decode.argv())}", markup=False)
+        console.print(f"route   {head}: {plan.route_listen}", markup=False)
         return
     if json_:
         print_json(plan.as_dict())
     bins.need("llama-server")
     if h.role != "head":
         if h.name != prof.prefill_host.name:
-            from linkctl.core.errors import InputError
-
             raise InputError(
                 f"{h.name} is not serve.disagg.prefill_host ({prof.prefill_host.name})",
                 "run serve on the prefill host and the head only",
             )
         # No model check here: the kv-agent starts first, so `model sync` can bring it.
-        raise typer.Exit(disagg.run_prefill(plan, prof, h, backend))
-    sv.model_path_check(plan.argv[plan.argv.index("-m") + 1])
+        raise typer.Exit(run.run_prefill(plan, prof, h, backend))
+    model_path_check(plan.decode.model)
     assert auth is not None
     sys.stderr.write(f"linkctl: {auth.summary().replace('llama-server', 'route')}\n")
-    if skip_probe:
-        warn_line("--skip-probe: serving without a passing probe report for this link")
-    else:
-        for line in sv.probe_gate(prof, h):
-            sys.stderr.write(f"linkctl: {line}\n")
-    raise typer.Exit(disagg.run_decode(plan, prof, plan.argv[plan.argv.index("-m") + 1]))
+    _probe_gate(prof, h, skip_probe)
+    raise typer.Exit(run.run_decode(plan, prof))

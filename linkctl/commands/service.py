@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from linkctl.commands.common import DryRunOpt, HostOpt, JsonOpt, ProfileOpt, load
+from linkctl.core.checks import Verdict
 from linkctl.core.output import console, print_json, verdict
 
 service_app = typer.Typer(
@@ -173,10 +174,10 @@ def service_status(root: RootOpt = Path("/"), json_: JsonOpt = False) -> None:
                 f"{st.manager} services for {st.profile}/{st.host} in {st.root}", markup=False
             )
             for f in st.files:
-                v = "PASS" if f.state == "ok" else "FAIL"
+                v = Verdict.PASS if f.state == "ok" else Verdict.FAIL
                 console.print(f"  {verdict(v)} {f.path}: {f.state}")
             for s in st.services:
-                v = "PASS" if s.ok else "FAIL"
+                v = Verdict.PASS if s.ok else Verdict.FAIL
                 pid = f" pid {s.pid}" if s.pid else ""
                 detail = f" ({s.sub})" if s.sub else ""
                 console.print(f"  {verdict(v)} {s.name}: {s.active}{detail}{pid}")

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from linkctl.commands.common import DryRunOpt, HostOpt, JsonOpt, ProfileOpt, load_with_host
 from linkctl.core.output import console, print_json, verdict_lines
+
+if TYPE_CHECKING:
+    from linkctl.core.profile import Profile
+    from linkctl.llama.bins import LlamaBins
+    from linkctl.serve.verify import VerifyOptions, VerifyReport
 
 ModelOpt = Annotated[
     str | None,
@@ -20,37 +25,38 @@ ModelOpt = Annotated[
 ]
 
 
-def say(msg: str) -> None:
-    import sys
-
-    sys.stderr.write(f"linkctl[verify] {msg}\n")
-    sys.stderr.flush()
-
-
-def render(rep) -> None:
+def render(rep: VerifyReport) -> None:
     if rep.dry_run:
         console.print(f"model      {rep.model} ({rep.model_source})", markup=False)
         console.print(f"tolerance  {rep.tolerance.why} ({rep.backends_why})", markup=False)
         console.print(f"reference  {rep.reference.kind}: {rep.reference_why}", markup=False)
         for pl in (rep.reference, rep.split):
-            console.print(f"{pl.role:10} {' '.join(pl.argv)} --host 127.0.0.1 --port PORT")
+            console.print(f"{pl.role:10} {' '.join(pl.invocation.argv())}", markup=False)
             console.print(f"{'':10} {pl.assignment}", markup=False)
         console.print(
             f"prompts    {len(rep.prompt_texts)} x {rep.n_predict} tokens, greedy, "
             f"top-{rep.n_probs} log-probabilities compared"
         )
         return
-    verdict_lines([(ln["verdict"], ln["check"], ln["detail"], ln["fix"]) for ln in rep.lines])
+    verdict_lines([(ln.verdict, ln.name, ln.detail, ln.fix) for ln in rep.lines])
     console.print(f"tolerance: {rep.tolerance.why} ({rep.backends_why})", markup=False)
     console.print(f"reference: {rep.reference_why}", markup=False)
     console.print(rep.summary(), markup=False)
 
 
-def run_verify(prof, opts, bins, *, json_: bool = False, dry_run: bool = False) -> int:
-    """Run, print (lines or JSON), return the exit code; shared with `serve --verify`."""
+def run_verify(
+    prof: Profile,
+    opts: VerifyOptions,
+    bins: LlamaBins,
+    *,
+    json_: bool = False,
+    dry_run: bool = False,
+) -> int:
+    """Run, print (lines or JSON), return the exit code."""
+    from linkctl.core.log import speaker
     from linkctl.serve.verify import verify
 
-    rep = verify(prof, opts, bins, say=say, dry_run=dry_run)
+    rep = verify(prof, opts, bins, say=speaker("verify"), dry_run=dry_run)
     if json_:
         print_json(rep.as_dict())
     else:

@@ -5,6 +5,7 @@ doctor share are linkctl.net.nic_checks.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
@@ -15,6 +16,14 @@ class Verdict(StrEnum):
     WARN = "WARN"
     FAIL = "FAIL"
     SKIP = "SKIP"  # not judged: a check it needs failed, or the OS does not say
+
+
+_SEVERITY = {Verdict.SKIP: 0, Verdict.PASS: 1, Verdict.WARN: 2, Verdict.FAIL: 3}
+
+
+def worst(verdicts: Iterable[Verdict], default: Verdict = Verdict.PASS) -> Verdict:
+    """The most severe verdict: FAIL over WARN over PASS over SKIP (``default`` if none)."""
+    return max(verdicts, key=_SEVERITY.__getitem__, default=default)
 
 
 @dataclass

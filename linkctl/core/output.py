@@ -7,6 +7,8 @@ import json
 import sys
 from typing import Any
 
+from linkctl.core.checks import Verdict
+
 
 class _LazyConsole:
     """A rich Console created on first use: importing rich costs ~50 ms, which
@@ -29,15 +31,20 @@ class _LazyConsole:
 console = _LazyConsole(highlight=False, soft_wrap=True, emoji=False)
 err_console = _LazyConsole(stderr=True, highlight=False, soft_wrap=True, emoji=False)
 
-VERDICT_STYLE = {"PASS": "green", "WARN": "yellow", "FAIL": "red", "SKIP": "dim", "INFO": "cyan"}
+VERDICT_STYLE = {
+    Verdict.PASS: "green",
+    Verdict.WARN: "yellow",
+    Verdict.FAIL: "red",
+    Verdict.SKIP: "dim",
+}
 
 
 def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
 
 
-def verdict(v: str) -> str:
-    return f"[{VERDICT_STYLE.get(v, 'white')}]{v}[/]"
+def verdict(v: Verdict) -> str:
+    return f"[{VERDICT_STYLE[v]}]{v}[/]"
 
 
 def error_line(message: str) -> None:
@@ -48,7 +55,7 @@ def warn_line(message: str) -> None:
     err_console.print(f"[yellow]linkctl: warning:[/] {message}", markup=True, soft_wrap=True)
 
 
-def verdict_lines(rows: list[tuple[str, str, str, str | None]]) -> None:
+def verdict_lines(rows: list[tuple[Verdict, str, str, str | None]]) -> None:
     """One line per check: VERDICT  check  detail  fix: ... (fix shown for FAIL/WARN).
     Rows are (verdict, check, detail, fix)."""
     from rich.markup import escape
@@ -56,6 +63,6 @@ def verdict_lines(rows: list[tuple[str, str, str, str | None]]) -> None:
     width = max((len(r[1]) for r in rows), default=0)
     for v, check, detail, fix in rows:
         text = f"{verdict(v)}{' ' * (5 - len(v))}{escape(check.ljust(width))}  {escape(detail)}"
-        if fix and v in ("FAIL", "WARN"):
+        if fix and v in (Verdict.FAIL, Verdict.WARN):
             text += f"  [bold]fix:[/] {escape(fix)}"
         console.print(text)

@@ -15,7 +15,8 @@ connection, a JSON line first:
     {"op": "stat", "area": A, "name": N}
         <- {"ok": true, "size": S|null, "partial": P, "partial_sha256": HEX}
     {"op": "model"}
-        <- {"ok": true, "path": P, "size": S, "sha256": HEX}   (fingerprint(), below)
+        <- {"ok": true, "path": P, "size": S, "sha256": HEX, "kv_layout": {...}}
+           (linkctl.disagg.fingerprint.ModelFingerprint.as_wire)
 
 A failure is {"ok": false, "error": "..."}. A put writes N.part and renames it only
 after the whole-file SHA-256 matches, so a broken transfer leaves N.part to resume
@@ -41,6 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from linkctl.core.errors import InputError
+from linkctl.disagg.fingerprint import ModelFingerprint, fingerprint
+from linkctl.llama.invocation import KvLayout
 
 CHUNK = 4 * 1024 * 1024
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
@@ -120,29 +123,6 @@ def _send(sock: socket.socket, msg: dict[str, Any]) -> None:
     sock.sendall(json.dumps(msg).encode() + b"\n")
 
 
-FINGERPRINT_SPAN = 16 * 1024 * 1024
-
-
-def fingerprint(path: str | Path) -> dict[str, Any]:
-    """Identity of a (large) model file without reading all of it: its size and the
-    SHA-256 of its first and last 16 MiB (the GGUF header and tensor-data ends).
-    `model sync` checks every byte; this is the cheap check route makes at start."""
-    p = Path(path)
-    try:
-        size = p.stat().st_size
-        h = hashlib.sha256()
-        with open(p, "rb") as f:
-            h.update(f.read(FINGERPRINT_SPAN))
-            if size > 2 * FINGERPRINT_SPAN:
-                f.seek(size - FINGERPRINT_SPAN)
-                h.update(f.read(FINGERPRINT_SPAN))
-            elif size > FINGERPRINT_SPAN:
-                h.update(f.read())
-    except OSError as e:
-        return {"path": str(p), "size": None, "sha256": None, "error": str(e)}
-    return {"path": str(p), "size": size, "sha256": h.hexdigest()}
-
-
 # ---- the agent (server) ---------------------------------------------------------
 
 
@@ -158,8 +138,8 @@ class _Handler(socketserver.StreamRequestHandler):
             req = _line(self.rfile)
             op = req.get("op")
             if op == "model":
-                fp = fingerprint(self.server.model or "")
-                _send(self.connection, {"ok": True, **fp, "kv_layout": self.server.kv_layout})
+                fp = fingerprint(self.server.model or "", self.server.kv)
+                _send(self.connection, {"ok": True, **fp.as_wire()})
                 return
             area = self.server.areas.get(str(req.get("area")))
             if area is None:
@@ -248,15 +228,15 @@ class _Server(socketserver.ThreadingTCPServer):
 
     def __init__(
         self,
-        addr,
+        addr: tuple[str, int],
         areas: dict[str, Path],
-        allowed,
+        allowed: ipaddress.IPv4Network,
         log: Callable[[str], None],
-        model,
-        kv_layout: dict[str, str] | None,
+        model: str | None,
+        kv: KvLayout | None,
     ):
         self.areas, self.allowed, self.log, self.model = areas, allowed, log, model
-        self.kv_layout = kv_layout
+        self.kv = kv
         super().__init__(addr, _Handler)
 
 
@@ -271,7 +251,7 @@ class Agent:
         subnet: ipaddress.IPv4Network,
         log: Callable[[str], None] | None = None,
         model: str | None = None,
-        kv_layout: dict[str, str] | None = None,
+        kv: KvLayout | None = None,
     ):
         check_bind(bind, subnet)
         for name, d in areas.items():
@@ -279,9 +259,7 @@ class Agent:
                 raise InputError(f"kv-agent area {name}: {d} is not a directory", "create it")
         dirs = {k: Path(v) for k, v in areas.items()}
         try:
-            self.server = _Server(
-                (bind, port), dirs, subnet, log or (lambda _m: None), model, kv_layout
-            )
+            self.server = _Server((bind, port), dirs, subnet, log or (lambda _m: None), model, kv)
         except OSError as e:
             raise InputError(
                 f"kv-agent cannot listen on {bind}:{port}: {e}",
@@ -385,10 +363,10 @@ def stat(
 
 def remote_model(
     host: str, port: int, *, source: str | None = None, timeout: float = 120.0
-) -> dict[str, Any]:
-    """fingerprint() of the model the agent's host serves, with the KV layout its
-    llama-server runs (disagg.kv_layout)."""
-    return _ask(host, port, {"op": "model"}, source, timeout)
+) -> ModelFingerprint:
+    """The fingerprint of the model the agent's host serves, with the KV layout its
+    llama-server runs."""
+    return ModelFingerprint.from_wire(_ask(host, port, {"op": "model"}, source, timeout))
 
 
 def _ask(host: str, port: int, req: dict[str, Any], source: str | None, timeout: float):

@@ -37,19 +37,19 @@ from __future__ import annotations
 import http.client
 import json
 import queue
-import sys
 import threading
 import time
 import urllib.parse
 import uuid
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import IO, Any
 
 from linkctl.core.errors import InputError
+from linkctl.core.log import speaker
 from linkctl.disagg import kvxfer
+from linkctl.llama.client import LlamaServer, UpstreamError
 
 GENERATE_PATHS = (
     "/completion",
@@ -64,70 +64,11 @@ OWNED_PREFIX = "/slots"
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host"}
 
 
-class UpstreamError(Exception):
-    """A call to a llama-server or the agent failed; the message says which and why."""
-
-
-@dataclass
-class Upstream:
-    """One llama-server, reached at host:port (the decode server on the head's
-    loopback, the prefill server on the prefill host's link address)."""
-
-    host: str
-    port: int
-    source: str | None = None  # local address to connect from (the head's link address)
-    timeout: float = 600.0
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def connect(self, timeout: float | None = None) -> http.client.HTTPConnection:
-        return http.client.HTTPConnection(
-            self.host,
-            self.port,
-            timeout=timeout or self.timeout,
-            source_address=(self.source, 0) if self.source else None,
-        )
-
-    def call(
-        self,
-        method: str,
-        path: str,
-        body: dict[str, Any] | None = None,
-        headers: dict[str, str] | None = None,
-        timeout: float | None = None,
-    ) -> dict[str, Any]:
-        """A JSON request; the decoded answer, or UpstreamError naming the server."""
-        conn = self.connect(timeout)
-        try:
-            data = json.dumps(body).encode() if body is not None else None
-            hdrs = {"Content-Type": "application/json"} | (headers or {})
-            conn.request(method, path, body=data, headers=hdrs)
-            r = conn.getresponse()
-            raw = r.read()
-        except (OSError, http.client.HTTPException) as e:
-            raise UpstreamError(f"{self.url}{path}: {type(e).__name__}: {e}") from None
-        finally:
-            conn.close()
-        try:
-            out = json.loads(raw) if raw else {}
-        except ValueError:
-            raise UpstreamError(
-                f"{self.url}{path}: HTTP {r.status}, not JSON: {raw[:200]!r}"
-            ) from None
-        if r.status != 200:
-            err = out.get("error") if isinstance(out, dict) else None
-            msg = err.get("message") if isinstance(err, dict) else err or raw[:200]
-            raise UpstreamError(f"{self.url}{path}: HTTP {r.status}: {msg}")
-        return out if isinstance(out, dict) else {"result": out}
-
-
 @dataclass
 class RouteConfig:
-    decode: Upstream
+    decode: LlamaServer
     decode_slot_dir: Path  # the decode server's --slot-save-path (on this host)
-    prefill: Upstream | None = None  # None: every request goes direct
+    prefill: LlamaServer | None = None  # None: every request goes direct
     agent_host: str | None = None
     agent_port: int = kvxfer.DEFAULT_PORT
     source: str | None = None  # this host's link address: transfers bind to it
@@ -193,7 +134,7 @@ def _prompt_of(body: dict[str, Any]) -> Any:
 class Router:
     def __init__(self, cfg: RouteConfig, log: IO[str] | None = None):
         self.cfg = cfg
-        self.out = log or sys.stderr
+        self.log = speaker("route", log)
         self._lock = threading.Lock()
         self.pool: queue.Queue[int] = queue.Queue()
         for k in range(cfg.slots):
@@ -203,13 +144,6 @@ class Router:
         self.inflight: dict[str, Outcome] = {}
 
     # ---- logging ----------------------------------------------------------------
-
-    def log(self, msg: str) -> None:
-        from linkctl.serve.supervise import stamp
-
-        with self._lock:
-            self.out.write(f"{stamp()} linkctl[route] {msg}\n")
-            self.out.flush()
 
     def _done(self, o: Outcome) -> None:
         o.total_s = time.time() - o.t_start
@@ -269,7 +203,7 @@ class Router:
         try:
             o.prompt_tokens = self.count_tokens(path, body, headers)
         except UpstreamError as e:
-            o.reason = f"could not count tokens ({e})"
+            o.reason = f"could not count tokens ({e.message})"
             return False
         if o.prompt_tokens is None:
             o.reason = "not a single text prompt"
@@ -331,7 +265,7 @@ class Router:
         try:
             self.cfg.decode.call("POST", f"/slots/{k}?action=erase", {}, self.cfg.own_headers())
         except UpstreamError as e:
-            self.log(f"erasing decode slot {k} failed: {e}")
+            self.log(f"erasing decode slot {k} failed: {e.message}")
 
 
 def _client_headers(handler: BaseHTTPRequestHandler) -> dict[str, str]:
@@ -422,9 +356,9 @@ def make_handler(router: Router) -> type[BaseHTTPRequestHandler]:
                         router.disaggregate(path, body, hdrs, o)
                         o.route = "disaggregated"
                     except (UpstreamError, InputError) as e:
-                        o.route, o.error = "fallback", f"{o.stage}: {e}"
+                        o.route, o.error = "fallback", f"{o.stage}: {e.message}"
                         router.log(
-                            f"request {o.id}: disaggregation failed at {o.stage} ({e}); "
+                            f"request {o.id}: disaggregation failed at {o.stage} ({e.message}); "
                             "prefilling on the decode host"
                         )
                         router.erase(k)
@@ -524,103 +458,3 @@ class RouteServer:
     def stop(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
-
-
-# ---- preconditions -------------------------------------------------------------------
-
-# /props fields both servers must agree on (tools/server/server-context.cpp get_res_props).
-SAME_PROPS = (
-    ("build_info", "llama.cpp build"),
-    ("model_ftype", "model file type"),
-    ("total_slots", "slot count (-np)"),
-    ("chat_template", "chat template"),
-)
-
-
-def compare_servers(decode: dict[str, Any], prefill: dict[str, Any]) -> list[str]:
-    """The differences between the two servers' /props that make a slot file from one
-    unusable (or a different answer) on the other; empty when they match."""
-    diffs = []
-    for key, what in SAME_PROPS:
-        a, b = decode.get(key), prefill.get(key)
-        if a != b:
-            diffs.append(f"{what} ({key}): decode {_short(a)}, prefill {_short(b)}")
-    a = (decode.get("default_generation_settings") or {}).get("n_ctx")
-    b = (prefill.get("default_generation_settings") or {}).get("n_ctx")
-    if a != b:
-        diffs.append(f"context per slot (n_ctx): decode {a}, prefill {b}")
-    return diffs
-
-
-def compare_kv_layout(decode: dict | None, prefill: dict | None) -> list[str]:
-    """Differences in the KV cache flags the two servers run (disagg.kv_layout); a side
-    that did not report them (an older kv-agent) is not compared."""
-    if not decode or not prefill:
-        return []
-    return [
-        f"KV cache {key}: decode {decode.get(key)}, prefill {prefill.get(key)}"
-        for key in sorted(set(decode) | set(prefill))
-        if decode.get(key) != prefill.get(key)
-    ]
-
-
-def _short(v: Any) -> str:
-    s = json.dumps(v) if not isinstance(v, str) else repr(v)
-    return s if len(s) <= 60 else s[:57] + "..."
-
-
-def wait_props(
-    up: Upstream, deadline_s: float, say: Callable[[str], None], headers: dict[str, str]
-) -> dict[str, Any]:
-    """/props of a server, waiting while it loads (503) or is not up yet."""
-    deadline = time.monotonic() + deadline_s
-    last = None
-    while True:
-        try:
-            return up.call("GET", "/props", headers=headers, timeout=5)
-        except UpstreamError as e:
-            if time.monotonic() > deadline:
-                raise
-            if str(e) != last:
-                say(f"waiting for {up.url}: {e}")
-                last = str(e)
-            time.sleep(0.5)
-
-
-def check_pair(
-    cfg: RouteConfig,
-    fingerprints: tuple[dict[str, Any], dict[str, Any]] | None = None,
-    wait_s: float = 120.0,
-    say: Callable[[str], None] | None = None,
-) -> list[str]:
-    """Refuse (InputError naming the difference) when the two servers cannot share
-    slots: another build, model type, context, slot count or template (/props), or
-    another model file or KV cache layout (``fingerprints``: decode side, prefill side)."""
-    say = say or (lambda _m: None)
-    if cfg.prefill is None:
-        return []
-    d = wait_props(cfg.decode, wait_s, say, cfg.own_headers())
-    p = wait_props(cfg.prefill, wait_s, say, cfg.own_headers())
-    diffs = compare_servers(d, p)
-    if fingerprints:
-        a, b = fingerprints
-        if a.get("size") != b.get("size") or a.get("sha256") != b.get("sha256"):
-            diffs.append(f"model file: decode {_fp(a)}, prefill {_fp(b)}")
-        diffs += compare_kv_layout(a.get("kv_layout"), b.get("kv_layout"))
-    if diffs:
-        raise InputError(
-            "the decode and prefill servers differ: " + "; ".join(diffs),
-            "run the same llama.cpp build, model file (`linkctl model sync`), ctx, -np and KV "
-            "cache flags (-ctk, -ctv, -fa) on both",
-        )
-    n_ctx = (d.get("default_generation_settings") or {}).get("n_ctx")
-    line = (
-        f"decode {cfg.decode.url} and prefill {cfg.prefill.url} match: "
-        f"build {d.get('build_info')}, n_ctx {n_ctx}, slots {d.get('total_slots')}"
-    )
-    say(line)
-    return [line]
-
-
-def _fp(f: dict[str, Any]) -> str:
-    return f"{f.get('path')} ({f.get('size')} bytes, sha256 {str(f.get('sha256'))[:12]})"

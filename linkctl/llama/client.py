@@ -1,29 +1,41 @@
-"""Talking to llama.cpp servers running on this host: llama-server's HTTP API
-(/health, /tokenize, /completion, as in llama.cpp tools/server/README.md) and one
-ggml-rpc-server request/response round trip.
+"""The one llama-server HTTP client: /health, /props, /tokenize, /apply-template,
+/completion and the slot actions, as in llama.cpp tools/server/README.md. serve's
+readiness, verify's greedy steps, calibrate's timed runs, the demo, route (its own calls
+and the streams it relays) and doctor all go through ``LlamaServer``.
 
-Used by calibrate (its timed runs), verify (greedy steps) and the demo."""
+Every failure is an ``UpstreamError`` naming the server and the path: nothing answered,
+an HTTP error (llama-server's own ``error.message``), or an answer that is not JSON.
+"""
 
 from __future__ import annotations
 
+import http.client
 import json
-import statistics
-import struct
 import subprocess
 import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from linkctl.core.errors import CheckFailed
+from linkctl.llama.invocation import ServerInvocation
 
 PROMPT_WORDS = (
     "the link between two machines carries activations for every token and every layer "
     "boundary so its latency adds to each step of decoding while its bandwidth matters "
     "mostly for the prompt "
 )
+
+
+class UpstreamError(CheckFailed):
+    """A llama-server answered with an error, not at all, or not in JSON (exit 1).
+    ``url`` is what was asked; ``status`` the HTTP status, None when nothing answered."""
+
+    def __init__(
+        self, message: str, fix: str | None = None, *, url: str, status: int | None = None
+    ):
+        self.url, self.status = url, status
+        super().__init__(message, fix or "check that llama-server runs there and read its log")
 
 
 @dataclass(frozen=True)
@@ -38,86 +50,138 @@ class Timing:
     prompt_ms: float
 
 
-def post(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        detail = e.read().decode(errors="replace")[:300]
-        raise CheckFailed(f"llama-server {url} answered HTTP {e.code}: {detail}") from None
-    except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
-        raise CheckFailed(f"llama-server {url}: {e}") from None
+@dataclass(frozen=True)
+class LlamaServer:
+    """One llama-server at host:port. ``source``: the local address to connect from (the
+    head's link address, toward the prefill host); ``headers``: sent with every call
+    (an API key's Authorization)."""
 
+    host: str
+    port: int
+    source: str | None = None
+    timeout: float = 600.0
+    headers: dict[str, str] = field(default_factory=dict)
 
-def prompt_tokens(port: int, n: int) -> list[int]:
-    """``n`` token ids of plain English text, via llama-server's own tokenizer, so the
-    prefill measurement has the same length on every model."""
-    r = post(f"http://127.0.0.1:{port}/tokenize", {"content": PROMPT_WORDS * 40}, 60)
-    toks = r.get("tokens") or []
-    if len(toks) < n:
-        toks = (toks * (n // max(1, len(toks)) + 1))[:n]
-    return toks[:n]
+    @classmethod
+    def serving(cls, inv: ServerInvocation, **kw: Any) -> LlamaServer:
+        """The server ``inv`` starts, reached from this host (a wildcard listen address
+        through loopback)."""
+        host = "127.0.0.1" if inv.host == "0.0.0.0" else inv.host
+        return cls(host, inv.port, **kw)
 
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
 
-def wait_health(port: int, proc: subprocess.Popen, timeout: float, log: Path | None) -> None:
-    deadline = time.monotonic() + timeout
-    url = f"http://127.0.0.1:{port}/health"
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = log.read_text().strip().splitlines()[-3:] if log and log.exists() else []
-            raise CheckFailed(
-                f"llama-server exited {proc.returncode} while loading: " + " | ".join(tail)
-            )
+    def connect(self, timeout: float | None = None) -> http.client.HTTPConnection:
+        """A connection for a caller that reads the answer as it comes (route's relay)."""
+        return http.client.HTTPConnection(
+            self.host,
+            self.port,
+            timeout=timeout or self.timeout,
+            source_address=(self.source, 0) if self.source else None,
+        )
+
+    def call(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """A JSON request; the decoded answer, or UpstreamError naming the server."""
+        where = f"{self.url}{path}"
+        conn = self.connect(timeout)
         try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-            pass
-        time.sleep(0.2)
-    raise CheckFailed(f"llama-server on 127.0.0.1:{port} not healthy within {timeout:g} s")
+            data = json.dumps(body).encode() if body is not None else None
+            hdrs = {"Content-Type": "application/json"} | self.headers | (headers or {})
+            conn.request(method, path, body=data, headers=hdrs)
+            r = conn.getresponse()
+            raw = r.read()
+        except (OSError, http.client.HTTPException) as e:
+            raise UpstreamError(f"{where}: {type(e).__name__}: {e}", url=where) from None
+        finally:
+            conn.close()
+        try:
+            out = json.loads(raw) if raw else {}
+        except ValueError:
+            raise UpstreamError(
+                f"{where}: HTTP {r.status}, not JSON: {raw[:200]!r}", url=where, status=r.status
+            ) from None
+        if r.status != 200:
+            err = out.get("error") if isinstance(out, dict) else None
+            msg = err.get("message") if isinstance(err, dict) else err or raw[:200]
+            raise UpstreamError(f"{where}: HTTP {r.status}: {msg}", url=where, status=r.status)
+        return out if isinstance(out, dict) else {"result": out}
+
+    def healthy(self, timeout: float = 2.0) -> bool:
+        """/health answers 200 (the model is loaded)."""
+        try:
+            self.call("GET", "/health", timeout=timeout)
+            return True
+        except UpstreamError:
+            return False
+
+    def wait_healthy(self, proc: subprocess.Popen, timeout: float, log: Path | None) -> None:
+        """Until /health answers 200; CheckFailed if ``proc`` exits or time runs out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                tail = log.read_text().strip().splitlines()[-3:] if log and log.exists() else []
+                raise CheckFailed(
+                    f"llama-server exited {proc.returncode} while loading: " + " | ".join(tail),
+                    f"see {log}" if log else None,
+                )
+            if self.healthy(timeout=2.0):
+                return
+            time.sleep(0.2)
+        raise CheckFailed(f"llama-server on {self.url} not healthy within {timeout:g} s")
+
+    def props(self, timeout: float | None = None) -> dict[str, Any]:
+        return self.call("GET", "/props", timeout=timeout)
+
+    def tokenize(self, text: str, headers: dict[str, str] | None = None) -> list[int]:
+        r = self.call("POST", "/tokenize", {"content": text, "add_special": True}, headers)
+        return list(r.get("tokens") or [])
+
+    def apply_template(self, messages: list[Any], headers: dict[str, str] | None = None) -> Any:
+        return self.call("POST", "/apply-template", {"messages": messages}, headers).get("prompt")
+
+    def slot(self, k: int, action: str, filename: str | None = None) -> dict[str, Any]:
+        """POST /slots/k?action=save|restore|erase (the server's --slot-save-path)."""
+        body = {"filename": filename} if filename else {}
+        return self.call("POST", f"/slots/{k}?action={action}", body)
+
+    def prompt_tokens(self, n: int) -> list[int]:
+        """``n`` token ids of plain English text, via llama-server's own tokenizer, so a
+        prefill measurement has the same length on every model."""
+        toks = self.tokenize(PROMPT_WORDS * 40)
+        if len(toks) < n:
+            toks = (toks * (n // max(1, len(toks)) + 1))[:n]
+        return toks[:n]
+
+    def timed_completions(self, tokens: int, runs: int, prompt: str | list[int]) -> list[Timing]:
+        """Warm-up, then ``runs`` requests; each run's llama-server timings."""
+        body = {
+            "prompt": prompt,
+            "n_predict": tokens,
+            "ignore_eos": True,
+            "temperature": 0,
+            "cache_prompt": False,
+            "seed": 0,
+        }
+        self.call("POST", "/completion", {**body, "n_predict": 4})
+        out = []
+        for _ in range(runs):
+            r = self.call("POST", "/completion", body)
+            t = r.get("timings") or {}
+            if not t.get("predicted_per_second"):
+                raise CheckFailed(f"llama-server answered without decode timings: {sorted(r)}")
+            out.append(Timing(**{k: float(t.get(k) or 0) for k in Timing.__dataclass_fields__}))
+        return out
 
 
-def timed_completions(
-    port: int, tokens: int, runs: int, prompt: str | list[int], timeout: float = 600
-) -> list[Timing]:
-    """Warm-up, then ``runs`` requests; each run's llama-server timings."""
-    url = f"http://127.0.0.1:{port}/completion"
-    body = {
-        "prompt": prompt,
-        "n_predict": tokens,
-        "ignore_eos": True,
-        "temperature": 0,
-        "cache_prompt": False,
-        "seed": 0,
-    }
-    post(url, {**body, "n_predict": 4}, timeout)
-    out = []
-    for _ in range(runs):
-        r = post(url, body, timeout)
-        t = r.get("timings") or {}
-        if not t.get("predicted_per_second"):
-            raise CheckFailed(f"llama-server answered without decode timings: {sorted(r)}")
-        out.append(Timing(**{k: float(t.get(k) or 0) for k in Timing.__dataclass_fields__}))
-    return out
-
-
-def rpc_rtt_us(port: int, n: int = 200, host: str = "127.0.0.1") -> float:
-    """p50 of GET_DEVICE_MEMORY request/response on one connection to an rpc-server
-    (the same kind of exchange as a token's GET_TENSOR, minus the payload)."""
-    from linkctl.llama.rpc import RpcCmd, _open_hello
-
-    conn, _v, _f = _open_hello(host, port, 5.0)
-    try:
-        conn.deadline = time.monotonic() + 60
-        ts = []
-        for _ in range(n):
-            t = time.perf_counter()
-            conn.call(RpcCmd.GET_DEVICE_MEMORY, struct.pack("<I", 0))
-            ts.append((time.perf_counter() - t) * 1e6)
-    finally:
-        conn.close()
-    return statistics.median(ts)
+def local(port: int) -> LlamaServer:
+    """A llama-server linkctl started on this host's loopback."""
+    return LlamaServer("127.0.0.1", port)

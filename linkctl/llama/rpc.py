@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import statistics
 import struct
 import time
 from dataclasses import asdict, dataclass, field
@@ -273,6 +274,22 @@ def query(host: str, port: int, timeout: float = 3.0) -> RpcInfo:
     finally:
         conn.close()
     return RpcInfo(host, port, version, fmt, devices, (time.monotonic() - t0) * 1000)
+
+
+def round_trip_us(host: str, port: int, n: int = 200) -> float:
+    """p50 of GET_DEVICE_MEMORY request/response on one connection to an rpc-server
+    (the same kind of exchange as a token's GET_TENSOR, minus the payload)."""
+    conn, _v, _f = _open_hello(host, port, 5.0)
+    try:
+        conn.deadline = time.monotonic() + 60
+        ts = []
+        for _ in range(n):
+            t = time.perf_counter()
+            conn.call(RpcCmd.GET_DEVICE_MEMORY, struct.pack("<I", 0))
+            ts.append((time.perf_counter() - t) * 1e6)
+    finally:
+        conn.close()
+    return statistics.median(ts)
 
 
 def _memory(rsp: bytes, where: str) -> DeviceMemory:

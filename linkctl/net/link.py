@@ -395,13 +395,13 @@ def _still_needed(steps: list[Change], facts: LinkFacts) -> list[Change]:
 
 def status(profile: Profile, host: HostSpec, backend: Backend) -> LinkStatus:
     """The link versus the profile. Drift comes from the NIC checks that probe and
-    doctor apply too (linkctl.core.checks), with each check's verdict as its severity."""
+    doctor apply too (linkctl.net.nic_checks), with each check's verdict as its severity."""
     facts = backend.link_facts(host.interface)
     default = backend.default_route()
     link = profile.link
     checks = nic_checks(facts, host, link)
     bad = {
-        n: c.verdict.value for n, c in checks.items() if c.verdict in (Verdict.WARN, Verdict.FAIL)
+        n: c.verdict for n, c in checks.items() if c.verdict in (Verdict.WARN, Verdict.FAIL)
     }
     drift: list[Drift] = []
     if "interface" in bad:
@@ -416,7 +416,7 @@ def status(profile: Profile, host: HostSpec, backend: Backend) -> LinkStatus:
     # Shown beside a missing address too: the address check reports the worse of the two.
     extra = [a for a in facts.addresses if a != str(host.address)]
     if extra:
-        drift.append(Drift("other_addresses", [], extra, "WARN"))
+        drift.append(Drift("other_addresses", [], extra, Verdict.WARN))
     if "speed" in bad:
         drift.append(Drift("speed_mbps", link.expected_speed_mbps, facts.speed_mbps, bad["speed"]))
     if "duplex" in bad:

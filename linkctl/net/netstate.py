@@ -10,6 +10,8 @@ import ipaddress
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from linkctl.core.checks import Verdict
+
 
 @dataclass(frozen=True)
 class Route:
@@ -68,7 +70,7 @@ class Drift:
     field: str
     want: Any
     have: Any
-    severity: str = "FAIL"  # "FAIL" or "WARN"
+    severity: Verdict = Verdict.FAIL  # FAIL or WARN
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -85,7 +87,7 @@ class LinkStatus:
 
     @property
     def ok(self) -> bool:
-        return not any(d.severity == "FAIL" for d in self.drift)
+        return not any(d.severity is Verdict.FAIL for d in self.drift)
 
     def as_dict(self) -> dict[str, Any]:
         return {

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from linkctl.core.checks import Verdict
 from linkctl.core.errors import InputError
 from linkctl.core.profile import HostSpec, Profile
 from linkctl.core.records import RpcPart
@@ -109,19 +110,19 @@ def _steps(
             peer_name=peer.name,
         )
     except latency.ResponderUnavailable as e:
-        report.add("tcp rtt", "SKIP", None, spec.max_rtt_p99_us, str(e))
-        report.stop(str(e), 2)
+        report.add("tcp rtt", Verdict.SKIP, None, spec.max_rtt_p99_us, e.message)
+        report.stop(e.line(), e.exit_code)
         return
     report.latency.tcp = tcp
     report.latency.responder = banner
     for size, st in tcp.items():
         n = int(size)
         if n == 1:
-            limit, bad = spec.max_rtt_p99_us, "FAIL"
+            limit, bad = spec.max_rtt_p99_us, Verdict.FAIL
         else:
             limit = latency_threshold_us(n, spec.max_rtt_p99_us, spec.min_throughput_gbps)
-            bad = "WARN"
-        verdict = "PASS" if st.p99_us is not None and st.p99_us <= limit else bad
+            bad = Verdict.WARN
+        verdict = Verdict.PASS if st.p99_us is not None and st.p99_us <= limit else bad
         report.add(
             f"tcp rtt {_size(n)}",
             verdict,
@@ -134,11 +135,11 @@ def _steps(
     # ---- throughput
     if not throughput:
         report.add(
-            "throughput", "SKIP", None, spec.min_throughput_gbps, "skipped (--no-throughput)"
+            "throughput", Verdict.SKIP, None, spec.min_throughput_gbps, "skipped (--no-throughput)"
         )
     elif not banner.iperf_running:
         msg = f"the responder on {peer.name} runs no iperf3 server (iperf3 missing on {peer.name}?)"
-        report.add("throughput", "SKIP", None, spec.min_throughput_gbps, msg)
+        report.add("throughput", Verdict.SKIP, None, spec.min_throughput_gbps, msg)
         report.stop(msg, 2)
         return
     else:
@@ -154,8 +155,8 @@ def _steps(
                 on_run=on_iperf,
             )
         except tp.IperfError as e:
-            report.add("throughput", "SKIP", None, spec.min_throughput_gbps, str(e))
-            report.stop(str(e), e.code)
+            report.add("throughput", Verdict.SKIP, None, spec.min_throughput_gbps, e.message)
+            report.stop(e.line(), e.exit_code)
             return
         for t in report.throughput.values():
             gbps = t.gbps or 0.0
@@ -163,7 +164,7 @@ def _steps(
             arrow = "->" if t.direction == "fwd" else "<-"
             report.add(
                 f"throughput {arrow} P{t.streams}",
-                "PASS" if ok else "FAIL",
+                Verdict.PASS if ok else Verdict.FAIL,
                 t.gbps,
                 spec.min_throughput_gbps,
                 f"{gbps:.2f} Gbit/s{'' if ok else ' (below the minimum)'}, "
@@ -174,37 +175,40 @@ def _steps(
 
 def _check_rpc(report: ProbeReport, peer: HostSpec, timeout_s: float) -> None:
     if peer.role != "rpc":
-        report.add("rpc", "SKIP", None, None, f"{peer.name} is the head: no rpc-server to ask")
+        report.add(
+            "rpc", Verdict.SKIP, None, None, f"{peer.name} is the head: no rpc-server to ask"
+        )
         return
-    try:
-        from linkctl.llama import rpc
-    except ImportError:
-        report.add("rpc", "SKIP", None, None, "linkctl.llama.rpc not available")
-        return
+    from linkctl.llama import rpc
+
     addr, port = peer.rpc_bind, peer.rpc.port
     try:
         with socket.create_connection((addr, port), timeout=timeout_s):
             pass
     except OSError:
         report.add(
-            "rpc", "SKIP", None, None, f"nothing listens on {addr}:{port} (rpc-server not started)"
+            "rpc",
+            Verdict.SKIP,
+            None,
+            None,
+            f"nothing listens on {addr}:{port} (rpc-server not started)",
         )
         return
     try:
         info = rpc.query(addr, port, timeout=timeout_s)
     except rpc.RpcBusy as e:
         report.rpc = RpcPart(endpoint=f"{addr}:{port}", busy=True, error=e.message)
-        report.add("rpc", "WARN", None, None, e.message)
+        report.add("rpc", Verdict.WARN, None, None, e.message)
         return
     except InputError as e:
         report.rpc = RpcPart(endpoint=f"{addr}:{port}", error=e.message)
-        report.add("rpc", "FAIL", None, None, e.line())
+        report.add("rpc", Verdict.FAIL, None, None, e.line())
         return
     report.rpc = RpcPart(endpoint=f"{addr}:{port}", **info.as_dict())
     mem = ", ".join(f"{dv.free / 2**30:.1f}/{dv.total / 2**30:.1f} GiB free" for dv in info.devices)
     report.add(
         "rpc",
-        "PASS",
+        Verdict.PASS,
         info.version_str,
         None,
         f"protocol {info.version_str}, {len(info.devices)} device(s): {mem or 'none'}",

@@ -14,14 +14,23 @@ import statistics
 import time
 from typing import Any
 
+from linkctl.core.errors import InputError
 from linkctl.core.records import ResponderInfo, RttStats
 from linkctl.probe.responder import SERVICE
 
 SIZES = (1, 32 * 1024, 128 * 1024)
 
 
-class ResponderUnavailable(Exception):
-    """The peer's responder cannot be reached or is something else; .code is the exit code."""
+class ResponderUnavailable(InputError):
+    """The peer's responder cannot be reached, or something else answers there (exit 2)."""
+
+    def __init__(self, message: str, fix: str | None = None):
+        super().__init__(
+            message,
+            fix
+            or "run `linkctl responder` on the peer (its boot service does), on the same "
+            "probe.responder_port",
+        )
 
 
 def stats_us(ns: list[int]) -> RttStats:

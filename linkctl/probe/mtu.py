@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from linkctl.core.checks import Verdict
 from linkctl.core.profile import HostSpec
 from linkctl.core.records import IcmpStats, MtuPart
 from linkctl.net.ping import PingSummary, argv_deadline, parse_ping
@@ -86,7 +87,7 @@ def check_path_mtu(
         )
         report.add(
             "path mtu",
-            "FAIL",
+            Verdict.FAIL,
             works,
             mtu,
             f"MTU mismatch: DF echo of {size} bytes (MTU {mtu}) to {peer.ip} got no reply"
@@ -96,7 +97,7 @@ def check_path_mtu(
     if over_ok:
         report.add(
             "path mtu",
-            "WARN",
+            Verdict.WARN,
             f">{mtu}",
             mtu,
             f"DF echo of {size + 1} bytes also got through: the path MTU exceeds the "
@@ -105,7 +106,7 @@ def check_path_mtu(
     else:
         report.add(
             "path mtu",
-            "PASS",
+            Verdict.PASS,
             mtu,
             mtu,
             f"DF {size} B echoed; {size + 1} B "
@@ -130,7 +131,7 @@ def check_icmp_rtt(
     if s.received == 0:
         report.add(
             "icmp rtt",
-            "WARN",
+            Verdict.WARN,
             None,
             max_rtt_us,
             f"no ICMP echo replies from {peer.ip} ({note}); firewall dropping ICMP?",
@@ -138,17 +139,19 @@ def check_icmp_rtt(
     elif s.received < s.sent or not ok:
         report.add(
             "icmp rtt",
-            "WARN",
+            Verdict.WARN,
             s.avg_us,
             max_rtt_us,
             f"{s.sent - s.received} of {s.sent} echoes lost",
         )
     elif s.avg_us is not None and s.avg_us > max_rtt_us:
-        report.add("icmp rtt", "WARN", s.avg_us, max_rtt_us, "ICMP average above the RTT limit")
+        report.add(
+            "icmp rtt", Verdict.WARN, s.avg_us, max_rtt_us, "ICMP average above the RTT limit"
+        )
     else:
         report.add(
             "icmp rtt",
-            "PASS",
+            Verdict.PASS,
             s.avg_us,
             max_rtt_us,
             f"{s.received}/{s.sent} echoes, min/avg/max {s.min_us}/{s.avg_us}/{s.max_us} us",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from linkctl.core.checks import Verdict
 from linkctl.core.errors import PermissionDenied
 from linkctl.core.profile import HostSpec
 from linkctl.core.records import ArpPart
@@ -25,7 +26,7 @@ def check_peer(report: ProbeReport, host: HostSpec, peer: HostSpec, timeout_s: f
         report.arp = ArpPart(mac=None, error=e.message)
         report.add(
             "peer arp",
-            "FAIL",
+            Verdict.FAIL,
             None,
             peer.ip,
             "no permission for raw sockets: run as root or grant CAP_NET_RAW",
@@ -42,7 +43,7 @@ def check_peer(report: ProbeReport, host: HostSpec, peer: HostSpec, timeout_s: f
     if not macs:
         report.add(
             "peer arp",
-            "FAIL",
+            Verdict.FAIL,
             None,
             peer.ip,
             f"{peer.name} ({peer.ip}) does not answer ARP on {host.interface}",
@@ -56,7 +57,7 @@ def check_peer(report: ProbeReport, host: HostSpec, peer: HostSpec, timeout_s: f
     if len(macs) > 1:
         report.add(
             "peer arp",
-            "FAIL",
+            Verdict.FAIL,
             macs,
             peer.ip,
             f"{len(macs)} machines answer for {peer.ip}: address conflict on the segment",
@@ -67,7 +68,7 @@ def check_peer(report: ProbeReport, host: HostSpec, peer: HostSpec, timeout_s: f
     if peer.mac and mac != peer.mac:
         report.add(
             "peer mac",
-            "FAIL",
+            Verdict.FAIL,
             mac,
             peer.mac,
             f"{peer.ip} answers from {mac}, profile pins {peer.mac}: wrong machine or "
@@ -76,5 +77,5 @@ def check_peer(report: ProbeReport, host: HostSpec, peer: HostSpec, timeout_s: f
         report.stop(f"{peer.ip} is {mac}, not the pinned {peer.mac} of {peer.name}", 1)
         return False
     pinned = "matches the pinned MAC" if peer.mac else "no MAC pinned in the profile"
-    report.add("peer arp", "PASS", mac, peer.mac, f"{peer.name} answers ({pinned})")
+    report.add("peer arp", Verdict.PASS, mac, peer.mac, f"{peer.name} answers ({pinned})")
     return True

@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from linkctl.core.checks import Check
+from linkctl.core.checks import Check, Verdict
 from linkctl.core.errors import InputError
 from linkctl.core.paths import write_atomic
 from linkctl.core.records import (
@@ -61,7 +61,7 @@ class ProbeReport:
     def exit_code(self) -> int:
         if self.stop_code == 2:
             return 2
-        if self.stop_code == 1 or any(c.verdict == "FAIL" for c in self.checks):
+        if self.stop_code == 1 or any(c.verdict is Verdict.FAIL for c in self.checks):
             return 1
         return 0
 
@@ -153,7 +153,7 @@ def to_prometheus(reports: list[ProbeReport]) -> str:
         put("linkctl_probe_timestamp_seconds", base, ts)
         put("linkctl_probe_duration_seconds", base, round(r.elapsed_s, 3))
         for c in r.checks:
-            v = {"PASS": 1, "WARN": 1, "FAIL": 0, "SKIP": -1}[c.verdict]
+            v = {Verdict.PASS: 1, Verdict.WARN: 1, Verdict.FAIL: 0, Verdict.SKIP: -1}[c.verdict]
             put("linkctl_probe_check_ok", {**base, "check": c.name, "verdict": c.verdict}, v)
         put("linkctl_probe_link_speed_mbps", base, r.nic.speed_mbps)
         put("linkctl_probe_mtu_bytes", base, r.nic.mtu)

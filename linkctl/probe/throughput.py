@@ -16,7 +16,7 @@ import random
 import time
 from collections.abc import Callable
 
-from linkctl.core.errors import InputError
+from linkctl.core.errors import InputError, LinkctlError
 from linkctl.core.records import ThroughputRun
 from linkctl.core.runner import Runner
 from linkctl.probe.responder import IPERF_HINT
@@ -37,16 +37,20 @@ def busy_wait_s() -> float:
         return BUSY_WAIT_S
 
 
-class IperfError(Exception):
-    """iperf3 ran but could not measure; .code is the probe exit code (2: could not run)."""
+class IperfError(LinkctlError):
+    """iperf3 ran but could not measure (exit 2: the probe could not run)."""
 
-    def __init__(self, message: str, code: int = 2):
-        self.code = code
-        super().__init__(message)
+    def __init__(self, message: str, fix: str | None = None):
+        super().__init__(
+            message, fix or "check iperf3 on both hosts (the peer's responder runs its server)"
+        )
 
 
 class IperfBusy(IperfError):
-    """The peer's iperf3 server is running another client's test."""
+    """The peer's iperf3 server is running another client's test (exit 2)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, "retry when that test has finished")
 
 
 def iperf_seconds(duration_s: float) -> int:
@@ -157,6 +161,6 @@ def measure(
                 break
             except IperfBusy as e:
                 if time.monotonic() > deadline:
-                    raise IperfBusy(f"{e} (waited {busy_wait_s():g} s)") from None
+                    raise IperfBusy(f"{e.message} (waited {busy_wait_s():g} s)") from None
                 time.sleep(random.uniform(0.5, 2.0))
     return out

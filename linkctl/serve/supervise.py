@@ -22,18 +22,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
+from linkctl.core.log import speaker, stamp, write_line
 from linkctl.core.paths import write_atomic
 from linkctl.core.records import ServeStatus, dump
 from linkctl.core.runner import Runner, default_runner, stop_process
 from linkctl.core.stopflag import StopFlag
-
-
-def stamp() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")[:-4] + "Z"
 
 
 @dataclass
@@ -84,15 +80,10 @@ class Supervisor:
         self.proc: subprocess.Popen | None = None
         self._stop = StopFlag()  # set by a signal handler: no lock (linkctl/core/stopflag.py)
         self._stop_signal: int | None = None
-        self._lock = threading.Lock()
+        self.log = speaker(spec.name, self.out)
         self.tail: collections.deque[str] = collections.deque(maxlen=50)
 
     # ---- logging and status ------------------------------------------------
-
-    def log(self, msg: str) -> None:
-        with self._lock:
-            self.out.write(f"{stamp()} linkctl[{self.spec.name}] {msg}\n")
-            self.out.flush()
 
     def event(self, kind: str, **detail: Any) -> None:
         self.status.events.append({"time": stamp(), "event": kind, **detail})
@@ -108,9 +99,7 @@ class Supervisor:
         for raw in iter(stream.readline, b""):
             line = raw.decode(errors="replace").rstrip()
             self.tail.append(line)
-            with self._lock:
-                self.out.write(f"{stamp()} {self.spec.name}| {line}\n")
-                self.out.flush()
+            write_line(f"{stamp()} {self.spec.name}| {line}", self.out)
         stream.close()
 
     # ---- signals -------------------------------------------------------------

@@ -138,7 +138,7 @@ def check_paths(
             "the local RPC protocol version with the rpc hosts'"
         )
     if host.role == "head":
-        from linkctl.serve.plan import serve_auth
+        from linkctl.serve.auth import serve_auth
 
         serve_auth(profile, root)  # serve would refuse an open API at every boot
         model = profile.serve.model

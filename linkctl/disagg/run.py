@@ -1,0 +1,160 @@
+"""Running serve.mode = "disaggregated": the prefill host's kv-agent and llama-server,
+the head's decode llama-server with route in front of it, each supervised."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import IO, TYPE_CHECKING
+
+from linkctl.core.errors import LinkctlError
+from linkctl.core.log import speaker
+from linkctl.core.paths import write_atomic
+from linkctl.core.profile import HostSpec, Profile
+from linkctl.core.records import RouteStatus, dump, status_path
+from linkctl.disagg.plan import (
+    DisaggPlan,
+    kv_dir,
+    models_dir,
+    prefill_model_path,
+    resolve_route_config,
+)
+from linkctl.llama.client import LlamaServer
+from linkctl.serve.supervise import ChildSpec, Policy, Supervisor
+
+if TYPE_CHECKING:
+    from linkctl.disagg.kvxfer import Agent
+    from linkctl.disagg.route import RouteServer
+    from linkctl.llama.invocation import KvLayout
+    from linkctl.net.backend import Backend
+
+
+def start_agent(
+    profile: Profile, host: HostSpec, kv: KvLayout, log: IO[str] | None = None
+) -> Agent:
+    """The kv-agent on this host's link address, serving the kv and models areas, and
+    telling the head the model and KV layout this host's llama-server runs (``kv``)."""
+    from linkctl.disagg import kvxfer
+
+    for d in (kv_dir(), models_dir()):
+        d.mkdir(parents=True, exist_ok=True)
+    say = speaker("kv-agent", log)
+    agent = kvxfer.Agent(
+        host.ip,
+        profile.serve.disagg.agent_port,
+        {"kv": kv_dir(), "models": models_dir()},
+        profile.link.subnet,
+        log=say,
+        model=prefill_model_path(profile),
+        kv=kv,
+    ).start()
+    say(f"listening on {host.ip}:{agent.port} (peers {profile.link.subnet} only)")
+    return agent
+
+
+def run_prefill(
+    plan: DisaggPlan,
+    profile: Profile,
+    host: HostSpec,
+    backend: Backend,
+    *,
+    log: IO[str] | None = None,
+    policy: Policy | None = None,
+) -> int:
+    """The prefill host: kv-agent on the link address, supervised llama-server on the
+    link address (ready when /health answers)."""
+    from linkctl.serve.run import check_bind_on_link
+
+    check_bind_on_link(host, backend)
+    # Slot files are per request (route fetches them with delete); any left here are
+    # from requests whose transfer failed before a restart.
+    for stale in kv_dir().glob("linkctl-*.kv*"):
+        stale.unlink(missing_ok=True)
+    agent = start_agent(profile, host, plan.prefill.kv, log)
+    try:
+        model = plan.prefill.model
+
+        def model_here() -> str | None:
+            # The agent is up already, so `linkctl model sync` on the head can bring it.
+            if os.path.isfile(model):
+                return None
+            return f"no model at {model}: run `linkctl model sync` on {profile.head.name}"
+
+        server = LlamaServer.serving(plan.prefill)
+        spec = ChildSpec(
+            "llama-server",
+            plan.prefill.argv(),
+            ready=lambda: server.healthy(timeout=1.0),
+            ready_timeout=300,
+            before_start=model_here,
+        )
+        return Supervisor(spec, policy=policy, log=log, status_path=status_path("prefill")).run()
+    finally:
+        agent.stop()
+
+
+def run_decode(
+    plan: DisaggPlan,
+    profile: Profile,
+    *,
+    threshold: int | None = None,
+    log: IO[str] | None = None,
+    policy: Policy | None = None,
+    wait_s: float = 300.0,
+) -> int:
+    """The head: supervised decode llama-server on 127.0.0.1, and route in front of it
+    once both servers answer and match (a mismatch stops serve with exit 2)."""
+    from linkctl.disagg import kvxfer
+    from linkctl.disagg import route as rt
+    from linkctl.disagg.fingerprint import fingerprint
+    from linkctl.disagg.pair import check_pair
+
+    say = speaker("route", log)
+    model = plan.decode.model
+    cfg = resolve_route_config(profile, model, threshold)
+    cfg.decode_slot_dir.mkdir(parents=True, exist_ok=True)
+    server = LlamaServer.serving(plan.decode)
+    spec = ChildSpec(
+        "llama-server",
+        plan.decode.argv(),
+        ready=lambda: server.healthy(timeout=1.0),
+        ready_timeout=300,
+    )
+    sup = Supervisor(spec, policy=policy, log=log, status_path=status_path("head"))
+    failed: list[LinkctlError] = []
+    servers: list[RouteServer] = []
+    route_status = status_path("route")
+    route_status.unlink(missing_ok=True)
+
+    def start_route() -> None:
+        try:
+            local = fingerprint(model, plan.decode.kv)
+            remote = kvxfer.remote_model(cfg.agent_host or "", cfg.agent_port, source=cfg.source)
+            check_pair(cfg, (local, remote), wait_s=wait_s, say=say)
+            servers.append(rt.RouteServer(rt.Router(cfg, log=log)).start())
+        except LinkctlError as e:
+            say(f"route not started: {e.line()}")
+            failed.append(e)
+            sup.request_stop()
+            return
+        st = RouteStatus(
+            listen=f"{cfg.listen_host}:{cfg.listen_port}",
+            threshold_tokens=cfg.threshold_tokens,
+            threshold_source=cfg.threshold_source,
+        )
+        write_atomic(route_status, dump(st, exclude_unset=False))
+        say(
+            f"listening on {cfg.listen_host}:{cfg.listen_port}; disaggregating prompts of "
+            f"{cfg.threshold_tokens}+ tokens ({cfg.threshold_source})"
+        )
+
+    threading.Thread(target=start_route, daemon=True).start()
+    try:
+        rc = sup.run()
+    finally:
+        for s in servers:
+            s.stop()
+        route_status.unlink(missing_ok=True)
+    if failed:
+        raise failed[0]
+    return rc

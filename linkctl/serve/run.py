@@ -1,0 +1,262 @@
+"""Running this host's half of the pair, supervised, behind its gates.
+
+rpc host : bind check (link address only) -> supervised rpc-server,
+           ready when HELLO answers
+head     : probe-report gate -> HELLO every rpc endpoint, protocol
+           version against the local build -> supervised llama-server,
+           ready when /health answers 200; restarted when it loses an
+           rpc endpoint (llama-server cannot reconnect by itself)
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+from linkctl.core.errors import CheckFailed, InputError, RpcProtocolMismatch
+from linkctl.core.log import Say, speaker
+from linkctl.core.profile import HostSpec, Profile
+from linkctl.llama.bins import LlamaBins, compatible, local_rpc_protocol
+from linkctl.llama.client import LlamaServer
+from linkctl.serve.plan import ServePlan, check_bind_spec
+from linkctl.serve.split import SplitChoice
+from linkctl.serve.supervise import Policy
+
+if TYPE_CHECKING:
+    from linkctl.net.backend import Backend
+
+
+PROBE_MAX_AGE_S = 24 * 3600
+
+
+def check_bind_on_link(host: HostSpec, backend: Backend) -> None:
+    """The bind address must be configured on the link interface right now."""
+    facts = backend.link_facts(host.interface)
+    have = [a.split("/")[0] for a in facts.addresses]
+    if host.rpc_bind not in have:
+        raise InputError(
+            f"rpc bind address {host.rpc_bind} is not on link interface {host.interface} "
+            f"(it has: {', '.join(facts.addresses) or 'no address'}); rpc-server binds only "
+            "to the link address",
+            "run `linkctl setup` first",
+        )
+    if not facts.up:
+        raise InputError(f"link interface {host.interface} is down", "run `linkctl setup` first")
+
+
+def probe_gate(
+    profile: Profile,
+    head: HostSpec,
+    max_age_s: float = PROBE_MAX_AGE_S,
+    now: float | None = None,
+    directory: Path | None = None,
+) -> list[str]:
+    """Every rpc host needs a passing probe report for this profile, newer than
+    ``max_age_s``. Returns one summary line per rpc host; raises CheckFailed naming why."""
+    from linkctl.core.records import latest_probe, probe_dir
+
+    now = now or time.time()
+    where = directory or probe_dir()
+    lines = []
+    for peer in profile.rpc_hosts:
+        found = latest_probe(profile.name, peer.name, peer.ip, directory)
+        if found is None:
+            raise CheckFailed(
+                f"no probe report for profile {profile.name!r} and peer {peer.name} in {where}",
+                "run `linkctl probe` first (or pass --skip-probe to serve anyway)",
+            )
+        t, path, r = found
+        age = now - t
+        if not r.ok:
+            failed = r.failed
+            raise CheckFailed(
+                f"latest probe report {path} for peer {peer.name} failed"
+                + (f" ({', '.join(failed)})" if failed else ""),
+                "fix the link and rerun `linkctl probe` (or --skip-probe)",
+            )
+        if age > max_age_s:
+            raise CheckFailed(
+                f"latest probe report {path} for peer {peer.name} is {age / 3600:.1f} h old "
+                f"(limit {max_age_s / 3600:g} h)",
+                "rerun `linkctl probe` (or --skip-probe)",
+            )
+        lines.append(f"probe report {path.name} for {peer.name}: ok, {age:.0f} s old")
+    return lines
+
+
+def _fmt(v: tuple[int, int, int] | None) -> str:
+    return ".".join(map(str, v)) if v else "unknown"
+
+
+def check_endpoints(
+    profile: Profile, local: tuple[int, int, int] | None, build: str, timeout: float = 3.0
+) -> list[dict[str, Any]]:
+    """HELLO every rpc endpoint; refuse a protocol mismatch with the local build.
+    Raises RpcError subclasses (busy, no HELLO), ConnectionRefused / Timeout (nothing
+    listens, no answer) and RpcProtocolMismatch."""
+    from linkctl.llama import rpc
+
+    out = []
+    for h in profile.rpc_hosts:
+        info = rpc.query(h.rpc_bind, h.rpc.port, timeout=timeout)
+        if local is not None and not compatible(local, info.version):
+            raise RpcProtocolMismatch(
+                f"rpc endpoint {h.name} ({h.rpc_endpoint}) speaks RPC protocol {info.version_str} "
+                f"({info.hello_format} HELLO), this head's build speaks {_fmt(local)} ({build}): "
+                "llama-server would refuse it",
+                f"build the same llama.cpp release on {h.name} and here (scripts/build-llama.sh)",
+                local=local,
+                remote=info.version,
+            )
+        out.append({"name": h.name, **info.as_dict()})
+    return out
+
+
+def rpc_connections_lost(pid: int, endpoints: list[str]) -> str | None:
+    """None while ``pid`` holds an ESTABLISHED TCP connection to every endpoint."""
+    import psutil
+
+    try:
+        conns = psutil.Process(pid).net_connections(kind="tcp")
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None  # exit is noticed by the supervisor itself
+    states: dict[str, str] = {}
+    for c in conns:
+        if c.raddr:
+            key = f"{c.raddr.ip}:{c.raddr.port}"
+            if states.get(key) != "ESTABLISHED":
+                states[key] = c.status
+    lost = [
+        f"{e} ({states.get(e, 'no connection')})"
+        for e in endpoints
+        if states.get(e) != "ESTABLISHED"
+    ]
+    return f"lost rpc endpoint {', '.join(lost)}" if lost else None
+
+
+def run_rpc(
+    plan: ServePlan,
+    host: HostSpec,
+    backend: Backend,
+    *,
+    log: IO[str] | None = None,
+    policy: Policy | None = None,
+) -> int:
+    from linkctl.core.records import status_path
+    from linkctl.llama import rpc
+    from linkctl.serve.supervise import ChildSpec, Supervisor
+
+    check_bind_spec(host)
+    check_bind_on_link(host, backend)
+    port = host.rpc.port
+
+    def ready() -> bool:
+        try:
+            rpc.hello(host.rpc_bind, port, timeout=1.0)
+            return True
+        except InputError:
+            return False
+
+    spec = ChildSpec("rpc-server", plan.invocation.argv(), ready=ready, ready_timeout=60)
+    sup = Supervisor(spec, policy=policy, log=log, status_path=status_path("rpc"))
+    return sup.run()
+
+
+def wait_endpoints(
+    profile: Profile,
+    local: tuple[int, int, int] | None,
+    build: str,
+    *,
+    wait_s: float,
+    say: Say,
+) -> list[dict[str, Any]]:
+    """First contact: wait up to ``wait_s`` for every endpoint (an rpc host may still be
+    starting), but refuse at once what can never work (another protocol, no HELLO)."""
+    from linkctl.llama import rpc
+
+    deadline = time.monotonic() + wait_s
+    last = None
+    while True:
+        try:
+            return check_endpoints(profile, local, build)
+        except (rpc.RpcNoHello, RpcProtocolMismatch):
+            raise
+        except InputError as e:
+            if time.monotonic() > deadline:
+                raise
+            if e.message != last:
+                say(f"waiting for rpc endpoints: {e.message}")
+                last = e.message
+            time.sleep(0.5)
+
+
+def run_head(
+    plan: ServePlan,
+    profile: Profile,
+    bins: LlamaBins,
+    *,
+    log: IO[str] | None = None,
+    wait_s: float = 60.0,
+    policy: Policy | None = None,
+    split: SplitChoice | None = None,
+) -> int:
+    from linkctl.core.records import status_path
+    from linkctl.serve.supervise import ChildSpec, Supervisor
+
+    local = None
+    if bins.rpc_server:
+        local = local_rpc_protocol(bins)
+    build = bins.build()
+    say = speaker("serve", log)
+
+    if local is None:
+        say(
+            "warning: no local rpc-server binary, so the local RPC protocol version is unknown; "
+            "endpoint versions are reported but not compared"
+        )
+    else:
+        say(f"local build speaks RPC protocol {_fmt(local)} ({build})")
+    if split is not None:
+        say(split.summary())
+        for note in split.notes:
+            say(f"split note: {note}")
+
+    infos = wait_endpoints(profile, local, build, wait_s=wait_s, say=say)
+    for i in infos:
+        mem = ", ".join(
+            f"{d['free'] / 2**20:.0f}/{d['total'] / 2**20:.0f} MiB free" for d in i["devices"]
+        )
+        say(
+            f"rpc endpoint {i['name']} {i['host']}:{i['port']}: "
+            f"protocol {i['version']} ({i['hello_format']} HELLO), devices: {mem or 'none'}"
+        )
+
+    def before_start() -> str | None:
+        try:
+            check_endpoints(profile, local, build, timeout=2.0)
+            return None
+        except InputError as e:
+            return e.message
+
+    server = LlamaServer.serving(plan.head)
+    spec = ChildSpec(
+        "llama-server",
+        plan.head.argv(),
+        ready=lambda: server.healthy(timeout=1.0),
+        ready_timeout=300,
+        healthy=lambda pid: rpc_connections_lost(pid, plan.endpoints),
+        health_interval=0.5,
+        before_start=before_start,
+    )
+    sup = Supervisor(spec, policy=policy, log=log, status_path=status_path("head"))
+    return sup.run()
+
+
+def model_path_check(model: str | None) -> str:
+    if not model:
+        raise InputError("no model: serve.model is empty", "set serve.model or pass --model PATH")
+    if not os.path.isfile(model):
+        raise InputError(f"model {model} does not exist", "set serve.model or pass --model PATH")
+    return model
