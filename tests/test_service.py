@@ -658,7 +658,7 @@ def test_rpc_serve_unit_runs_without_any_capability(make_lab, tmp_path):
     p = subprocess.Popen(full, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         dgx = prof.host("dgx")
-        ask = f"from linkctl import rpc; print(rpc.hello({dgx.ip!r}, {dgx.rpc.port}, 2.0))"
+        ask = f"from linkctl.llama import rpc; print(rpc.hello({dgx.ip!r}, {dgx.rpc.port}, 2.0))"
         deadline = time.monotonic() + 60
         while True:
             assert p.poll() is None, p.communicate()[0]
