@@ -677,25 +677,26 @@ def test_manager_commands_for_the_real_system():
     reload only when something changed, start without blocking on the gate, and
     launchd jobs reloaded only when their plist changed."""
     prof, _ = load_profile("dgx-mac")
-    res = svc.ServiceResult("install", "/", "systemd", "dgx-mac", "dgx", False)
-    res.files = [svc.FileAction(f"{svc.UNIT_DIR}/{u}", "unchanged") for u in svc.SYSTEMD_UNITS]
-    cmds = svc._install_commands(prof.host("dgx"), res)
+
+    def commands(host, files: list[svc.FileAction]) -> list[list[str]]:
+        mgr = svc.manager_for(host)
+        return mgr.install_commands(mgr.service_names(), files)
+
+    files = [svc.FileAction(f"{svc.UNIT_DIR}/{u}", svc.Action.UNCHANGED) for u in svc.SYSTEMD_UNITS]
+    cmds = commands(prof.host("dgx"), files)
     assert cmds == [["systemctl", "enable", "--now", "--no-block", *svc.SYSTEMD_UNITS]]
-    res.files[0].action = "update"
-    cmds = svc._install_commands(prof.host("dgx"), res)
+    files[0].action = svc.Action.UPDATE
+    cmds = commands(prof.host("dgx"), files)
     assert cmds[0] == ["systemctl", "daemon-reload"]
     assert cmds[-1] == ["systemctl", "try-restart", "--no-block", "linkctl-link.service"]
 
     mac = prof.host("mac")
     plist = f"{svc.LAUNCHD_DIR}/com.linkctl.serve.plist"
-    res = svc.ServiceResult("install", "/", "launchd", "dgx-mac", "mac", False)
-    res.files = [svc.FileAction(plist, "unchanged")]
-    assert svc._install_commands(mac, res) == [
+    assert commands(mac, [svc.FileAction(plist, svc.Action.UNCHANGED)]) == [
         ["launchctl", "enable", "system/com.linkctl.serve"],
         ["launchctl", "bootstrap", "system", plist],
     ]
-    res.files = [svc.FileAction(plist, "update")]
-    assert svc._install_commands(mac, res)[0] == [
+    assert commands(mac, [svc.FileAction(plist, svc.Action.UPDATE)])[0] == [
         "launchctl",
         "bootout",
         "system/com.linkctl.serve",
