@@ -261,7 +261,13 @@ def test_exec_lines_quote_odd_paths(tmp_path):
 # ---- install / uninstall ------------------------------------------------------------------
 
 
-def cli_install(root: Path, *extra: str, profile: str = "dgx-mac", host: str = "dgx"):
+def cli_install(
+    root: Path,
+    *extra: str,
+    profile: str = "dgx-mac",
+    host: str = "dgx",
+    env: dict[str, str] | None = None,
+):
     return linkctl(
         "service",
         "install",
@@ -276,6 +282,7 @@ def cli_install(root: Path, *extra: str, profile: str = "dgx-mac", host: str = "
         "--llama-bin-dir",
         LLAMA,
         *extra,
+        env=env,
     )
 
 
