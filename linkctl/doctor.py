@@ -428,7 +428,7 @@ def check_services(
             install,
         )
         return
-    bad_files = [f"{f.path} {f.state}" for f in st.files if f.state != "ok"]
+    bad_files = [f"{f.path} {f.state}" for f in st.files if not f.ok]
     down = [f"{s.name} {s.active}" for s in st.services if not s.ok]
     if bad_files:
         res.add(

@@ -261,7 +261,13 @@ def test_exec_lines_quote_odd_paths(tmp_path):
 # ---- install / uninstall ------------------------------------------------------------------
 
 
-def cli_install(root: Path, *extra: str, profile: str = "dgx-mac", host: str = "dgx"):
+def cli_install(
+    root: Path,
+    *extra: str,
+    profile: str = "dgx-mac",
+    host: str = "dgx",
+    env: dict[str, str] | None = None,
+):
     return linkctl(
         "service",
         "install",
@@ -276,6 +282,7 @@ def cli_install(root: Path, *extra: str, profile: str = "dgx-mac", host: str = "
         "--llama-bin-dir",
         LLAMA,
         *extra,
+        env=env,
     )
 
 
@@ -658,7 +665,7 @@ def test_rpc_serve_unit_runs_without_any_capability(make_lab, tmp_path):
     p = subprocess.Popen(full, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         dgx = prof.host("dgx")
-        ask = f"from linkctl import rpc; print(rpc.hello({dgx.ip!r}, {dgx.rpc.port}, 2.0))"
+        ask = f"from linkctl.llama import rpc; print(rpc.hello({dgx.ip!r}, {dgx.rpc.port}, 2.0))"
         deadline = time.monotonic() + 60
         while True:
             assert p.poll() is None, p.communicate()[0]
@@ -677,25 +684,26 @@ def test_manager_commands_for_the_real_system():
     reload only when something changed, start without blocking on the gate, and
     launchd jobs reloaded only when their plist changed."""
     prof, _ = load_profile("dgx-mac")
-    res = svc.ServiceResult("install", "/", "systemd", "dgx-mac", "dgx", False)
-    res.files = [svc.FileAction(f"{svc.UNIT_DIR}/{u}", "unchanged") for u in svc.SYSTEMD_UNITS]
-    cmds = svc._install_commands(prof.host("dgx"), res)
+
+    def commands(host, files: list[svc.FileAction]) -> list[list[str]]:
+        mgr = svc.manager_for(host)
+        return mgr.install_commands(mgr.service_names(), files)
+
+    files = [svc.FileAction(f"{svc.UNIT_DIR}/{u}", svc.Action.UNCHANGED) for u in svc.SYSTEMD_UNITS]
+    cmds = commands(prof.host("dgx"), files)
     assert cmds == [["systemctl", "enable", "--now", "--no-block", *svc.SYSTEMD_UNITS]]
-    res.files[0].action = "update"
-    cmds = svc._install_commands(prof.host("dgx"), res)
+    files[0].action = svc.Action.UPDATE
+    cmds = commands(prof.host("dgx"), files)
     assert cmds[0] == ["systemctl", "daemon-reload"]
     assert cmds[-1] == ["systemctl", "try-restart", "--no-block", "linkctl-link.service"]
 
     mac = prof.host("mac")
     plist = f"{svc.LAUNCHD_DIR}/com.linkctl.serve.plist"
-    res = svc.ServiceResult("install", "/", "launchd", "dgx-mac", "mac", False)
-    res.files = [svc.FileAction(plist, "unchanged")]
-    assert svc._install_commands(mac, res) == [
+    assert commands(mac, [svc.FileAction(plist, svc.Action.UNCHANGED)]) == [
         ["launchctl", "enable", "system/com.linkctl.serve"],
         ["launchctl", "bootstrap", "system", plist],
     ]
-    res.files = [svc.FileAction(plist, "update")]
-    assert svc._install_commands(mac, res)[0] == [
+    assert commands(mac, [svc.FileAction(plist, svc.Action.UPDATE)])[0] == [
         "launchctl",
         "bootout",
         "system/com.linkctl.serve",

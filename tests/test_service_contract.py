@@ -23,8 +23,9 @@ from linkctl.core.errors import InputError
 from linkctl.core.profile import load_profile
 from linkctl.core.runner import Runner
 from linkctl.net.plan import FAULT_ENV
+from linkctl.service.base import ServiceManager, UnitStatus
 from linkctl.service.launchd import Launchd
-from linkctl.service.manager import ServiceManager, UnitStatus, manager_for
+from linkctl.service.manager import manager_for
 from linkctl.service.systemd import Systemd
 from linkctl.service.transaction import Transaction
 

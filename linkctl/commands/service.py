@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from linkctl.commands.common import DryRunOpt, HostOpt, JsonOpt, ProfileOpt, load
 from linkctl.core.checks import Verdict
-from linkctl.core.output import console, print_json, verdict
+from linkctl.core.output import console, error_line, print_json, verdict
+
+if TYPE_CHECKING:
+    from linkctl.service import ServiceResult
 
 service_app = typer.Typer(
     help="Boot-time services that bring the link and the llama.cpp pair up by themselves.",
@@ -25,7 +29,21 @@ RootOpt = Annotated[
 ]
 
 
-def _show(res, json_: bool) -> None:
+def _run(what: str, do: Callable[[], ServiceResult]) -> ServiceResult:
+    """``do()``, saying on the way out when a signal stopped its file transaction (which
+    put every file back first; the exit code is 128 + the signal's number)."""
+    from linkctl.service import Interrupted
+
+    try:
+        return do()
+    except Interrupted as e:
+        error_line(f"{what} stopped by {e.signame}: every file it had touched is put back")
+        raise
+
+
+def _show(res: ServiceResult, json_: bool) -> None:
+    from linkctl.service import Action
+
     if json_:
         print_json(res.as_dict())
         return
@@ -40,7 +58,9 @@ def _show(res, json_: bool) -> None:
     for d in res.dirs_created:
         console.print(f"  mkdir     {d}", markup=False)
     for f in res.files:
-        extra = f" (backup {f.backup})" if f.backup and f.action in ("replace", "restore") else ""
+        extra = ""
+        if f.backup and f.action in (Action.REPLACE, Action.RESTORE):
+            extra = f" (backup {f.backup})"
         console.print(f"  {f.action:9} {f.path}{extra}", markup=False)
     for d in res.dirs_removed:
         console.print(f"  rmdir     {d}", markup=False)
@@ -137,7 +157,10 @@ def service_install(
     import linkctl
 
     pkg = str(Path(linkctl.__file__).parent) if str(root) == "/" else None
-    res = svc.install(prof, h, paths, root=root, dry_run=dry_run, package_dir=pkg)
+    res = _run(
+        "service install",
+        lambda: svc.install(prof, h, paths, root=root, dry_run=dry_run, package_dir=pkg),
+    )
     _show(res, json_)
 
 
@@ -151,7 +174,8 @@ def service_uninstall(
     """
     from linkctl import service as svc
 
-    _show(svc.uninstall(root=root.resolve(), dry_run=dry_run), json_)
+    res = _run("service uninstall", lambda: svc.uninstall(root=root.resolve(), dry_run=dry_run))
+    _show(res, json_)
 
 
 @service_app.command("status")
@@ -174,7 +198,7 @@ def service_status(root: RootOpt = Path("/"), json_: JsonOpt = False) -> None:
                 f"{st.manager} services for {st.profile}/{st.host} in {st.root}", markup=False
             )
             for f in st.files:
-                v = Verdict.PASS if f.state == "ok" else Verdict.FAIL
+                v = Verdict.PASS if f.ok else Verdict.FAIL
                 console.print(f"  {verdict(v)} {f.path}: {f.state}")
             for s in st.services:
                 v = Verdict.PASS if s.ok else Verdict.FAIL

@@ -111,9 +111,7 @@ def _pair(
     own = cfg.own_headers()
     try:
         theirs_p = (
-            cfg.prefill.call("GET", "/props", headers=own, timeout=timeout_s)
-            if cfg.prefill
-            else {}
+            cfg.prefill.call("GET", "/props", headers=own, timeout=timeout_s) if cfg.prefill else {}
         )
         mine_p = cfg.decode.call("GET", "/props", headers=own, timeout=timeout_s)
     except UpstreamError as e:

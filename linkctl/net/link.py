@@ -400,9 +400,7 @@ def status(profile: Profile, host: HostSpec, backend: Backend) -> LinkStatus:
     default = backend.default_route()
     link = profile.link
     checks = nic_checks(facts, host, link)
-    bad = {
-        n: c.verdict for n, c in checks.items() if c.verdict in (Verdict.WARN, Verdict.FAIL)
-    }
+    bad = {n: c.verdict for n, c in checks.items() if c.verdict in (Verdict.WARN, Verdict.FAIL)}
     drift: list[Drift] = []
     if "interface" in bad:
         if not facts.up:

@@ -1,19 +1,16 @@
 """Boot-time services: systemd units (Linux) and launchd daemons (macOS).
 
-The package's one public API; the parts behind it, one job each:
-  render.py       pure: profile + host + paths -> {target path: file text}
+This module is the package's face: callers use ``from linkctl import service as svc``
+and the names below. Behind it, one job each:
+  render.py       pure: profile + host + paths -> {target path: file text}, from the
+                  templates in linkctl/data/systemd/ and linkctl/data/launchd/
   preflight.py    what must exist in the root before anything is written
-  transaction.py  the install's file steps, each undone if a later one fails
-  manager.py      the ServiceManager interface, the UnitStatus record, manager_for(host)
+  install.py      install / uninstall into a root (``/`` is the real system), the manifest
+  status.py       what is installed, intact, running
+  transaction.py  the file steps, each undone if a later one fails or a signal comes
+  base.py         the records (FileAction, UnitStatus) and the ServiceManager interface
+  manager.py      manager_for(host): which implementation a host gets
   systemd.py / launchd.py  one module per manager behind that interface
-
-``render`` is pure: profile + host + paths in, {absolute target path: file text}
-out, from the templates shipped in ``linkctl/data/systemd/`` and ``linkctl/data/launchd/``.
-``install`` writes that set into a root directory (``/`` is the real system) with every check first
-(refuse, exit 2, nothing written), backups of anything foreign it overwrites
-(``FILE.linkctl-bak``), idempotency by content, and a manifest so that
-``uninstall`` puts the root back exactly as it was. Only when the root is ``/``
-does it talk to the service manager (systemctl / launchctl, through the runner).
 
 Units, both roles (Linux):
   linkctl-link.service       oneshot: setup, then probe as the gate
@@ -25,29 +22,22 @@ jobs, so each retries (KeepAlive + ThrottleInterval) until what it needs is ther
 
 from __future__ import annotations
 
-import hashlib
-import json
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any
-
-from linkctl.core.errors import InputError
-from linkctl.core.profile import HostSpec, Profile
-from linkctl.core.runner import Runner, default_runner
-from linkctl.service.manager import (
-    FileAction,
-    ServiceManager,
-    UnitStatus,
-    manager_for,
-    manager_named,
+from linkctl.service.base import Action, FileAction, ServiceManager, UnitStatus
+from linkctl.service.install import (
+    BACKUP_SUFFIX,
+    MANIFEST,
+    ServiceResult,
+    install,
+    render,
+    uninstall,
 )
+from linkctl.service.manager import manager_for
 from linkctl.service.preflight import (
     Preflight,
     check_os,
     check_paths,
     default_linkctl_bin,
     default_llama_bin_dir,
-    in_root,
     others_can_reach,
 )
 from linkctl.service.render import (
@@ -64,25 +54,31 @@ from linkctl.service.render import (
     device_unit,
     label,
 )
-from linkctl.service.transaction import Transaction
+from linkctl.service.status import FileState, ServiceStatus, State, status
+from linkctl.service.transaction import Interrupted
 
 __all__ = [
+    "BACKUP_SUFFIX",
     "DEFAULT_WAIT_CARRIER_S",
     "LABEL_PREFIX",
     "LAUNCHD_DIR",
     "LAUNCHD_JOBS",
     "LAUNCHD_LOG_DIR",
+    "MANIFEST",
     "PROFILE_DIR",
     "STATE_DIR",
     "SYSTEMD_UNITS",
     "UNIT_DIR",
+    "Action",
     "FileAction",
     "FileState",
+    "Interrupted",
     "Preflight",
     "ServiceManager",
     "ServicePaths",
     "ServiceResult",
     "ServiceStatus",
+    "State",
     "UnitStatus",
     "check_os",
     "check_paths",
@@ -94,331 +90,6 @@ __all__ = [
     "manager_for",
     "others_can_reach",
     "render",
-    "service_names",
     "status",
     "uninstall",
 ]
-
-MANIFEST = "/var/lib/linkctl/service/manifest.json"
-BACKUP_SUFFIX = ".linkctl-bak"
-
-
-def render(profile: Profile, host: HostSpec, paths: ServicePaths) -> dict[str, str]:
-    """Every file the services need, by absolute target path (profile copy included)."""
-    files = manager_for(host).render(profile, host, paths)
-    if paths.profile_text is not None:
-        files[paths.profile_path] = paths.profile_text
-    return files
-
-
-def service_names(host: HostSpec) -> list[str]:
-    """systemd unit names or launchd labels, in start order."""
-    return manager_for(host).service_names()
-
-
-# ---- install / uninstall ------------------------------------------------------------
-
-
-@dataclass
-class ServiceResult:
-    action: str  # install / uninstall
-    root: str
-    manager: str | None
-    profile: str | None
-    host: str | None
-    dry_run: bool
-    files: list[FileAction] = field(default_factory=list)
-    dirs_created: list[str] = field(default_factory=list)
-    dirs_removed: list[str] = field(default_factory=list)
-    commands: list[list[str]] = field(default_factory=list)
-    started: bool = False
-    serve_user: str | None = None  # None: DynamicUser (systemd) / root (launchd)
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def changed(self) -> bool:
-        return any(f.action != "unchanged" for f in self.files) or bool(
-            self.dirs_created or self.dirs_removed
-        )
-
-    def as_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["changed"] = self.changed
-        return d
-
-
-def _sha(text: str | bytes) -> str:
-    data = text.encode() if isinstance(text, str) else text
-    return hashlib.sha256(data).hexdigest()
-
-
-def load_manifest(root: Path) -> dict[str, Any] | None:
-    p = in_root(root, MANIFEST)
-    if not p.is_file():
-        return None
-    try:
-        data = json.loads(p.read_text())
-        if not isinstance(data["files"], list) or not isinstance(data["dirs"], list):
-            raise TypeError("files and dirs must be lists")
-        return data
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise InputError(
-            f"service manifest {p} is unreadable: {e}", "remove it and re-run"
-        ) from None
-
-
-def _missing_dirs(root: Path, path: str) -> list[str]:
-    """Target-absolute directories above ``path`` that do not exist yet, parent first."""
-    out = []
-    cur = Path(path).parent
-    while str(cur) != "/" and not in_root(root, str(cur)).exists():
-        out.append(str(cur))
-        cur = cur.parent
-    return list(reversed(out))
-
-
-def run_live(runner: Runner, argv: list[str]) -> None:
-    """Manager commands on the real system: bootout/bootstrap of something not loaded
-    (or already loaded) is not an error for an idempotent install."""
-    r = runner.run(argv, timeout=120, check=False)
-    if r.ok:
-        return
-    tolerated = argv[:2] in (["launchctl", "bootout"], ["launchctl", "bootstrap"])
-    if not tolerated:
-        from linkctl.core.runner import CommandFailed
-
-        raise CommandFailed(r)
-
-
-def install(
-    profile: Profile,
-    host: HostSpec,
-    paths: ServicePaths,
-    *,
-    root: Path = Path("/"),
-    dry_run: bool = False,
-    runner: Runner | None = None,
-    package_dir: str | None = None,
-) -> ServiceResult:
-    root = Path(root)
-    if not root.is_dir():
-        raise InputError(f"--root {root} is not a directory", "create it or give another")
-    check_os(root, host)
-    pre = check_paths(root, profile, host, paths, package_dir=package_dir)
-    paths = pre.paths
-    mgr = manager_for(host)
-    result = ServiceResult(
-        "install", str(root), mgr.name, profile.name, host.name, dry_run, notes=list(pre.notes)
-    )
-    result.serve_user = paths.serve_user
-    files = render(profile, host, paths)
-    old = load_manifest(root) or {"files": [], "dirs": []}
-    old_files = {f["path"]: f for f in old["files"]}
-    entries: list[dict[str, Any]] = []
-    dirs: list[str] = list(old["dirs"])
-    tx = Transaction()
-    planned: set[str] = set()
-
-    def need_dirs(path: str) -> None:
-        for d in _missing_dirs(root, path):
-            if d in planned:
-                continue
-            planned.add(d)
-            tx.mkdir(in_root(root, d))
-            if d not in dirs:
-                dirs.append(d)
-                result.dirs_created.append(d)
-
-    for path, text in files.items():
-        target = in_root(root, path)
-        mine = old_files.get(path)
-        ours = bool(mine) and not mine.get("preexisting")
-        entry = {"path": path, "sha256": _sha(text), "backup": None, "preexisting": False}
-        if ours:
-            entry["backup"] = mine.get("backup")
-        if target.is_file() and target.read_text(errors="replace") == text:
-            if not ours:
-                entry["preexisting"] = True  # already there, identical: not ours to remove
-            result.files.append(FileAction(path, "unchanged", entry["backup"]))
-        elif target.exists() and not ours:
-            bak = path + BACKUP_SUFFIX
-            if in_root(root, bak).exists():
-                raise InputError(
-                    f"{path} would be replaced but a backup {bak} already exists",
-                    "move one of them away first",
-                )
-            entry["backup"] = bak
-            result.files.append(FileAction(path, "replace", bak))
-            tx.backup(target, in_root(root, bak))
-            tx.write(target, text)
-        else:
-            need_dirs(path)
-            result.files.append(FileAction(path, "update" if target.exists() else "create"))
-            tx.write(target, text)
-        entries.append(entry)
-    # Files an earlier install wrote that this one no longer renders (another profile).
-    for path, f in old_files.items():
-        if path not in files:
-            result.files.append(FileAction(path, "remove", f.get("backup")))
-            if not f.get("preexisting"):
-                tx.remove(in_root(root, path), _backup_in(root, f))
-    for d in mgr.extra_dirs:
-        need_dirs(d + "/any")
-    need_dirs(MANIFEST)
-    manifest = {
-        "version": 1,
-        "manager": mgr.name,
-        "profile": profile.name,
-        "host": host.name,
-        "services": mgr.service_names(),
-        "files": entries,
-        "dirs": dirs,
-    }
-    manifest_text = json.dumps(manifest, indent=2) + "\n"
-    mpath = in_root(root, MANIFEST)
-    if not (mpath.is_file() and mpath.read_text() == manifest_text):
-        tx.write(mpath, manifest_text)
-    live = str(root) == "/"
-    result.commands = mgr.install_commands(mgr.service_names(), result.files) if live else []
-    if not live:
-        result.notes.append(
-            f"--root {root}: files only; nothing enabled or started "
-            f"({mgr.start_hint} on the target does that)"
-        )
-    if dry_run:
-        return result
-    try:
-        tx.run()
-    except OSError as e:
-        raise InputError(f"install into {root} failed and was undone: {e}") from None
-    if live:
-        runner = runner or default_runner()
-        for argv in result.commands:
-            run_live(runner, argv)
-        result.started = True
-    return result
-
-
-def _install_commands(host: HostSpec, result: ServiceResult) -> list[list[str]]:
-    """What install runs on the live system for ``result``'s file actions."""
-    mgr = manager_for(host)
-    return mgr.install_commands(mgr.service_names(), result.files)
-
-
-def _backup_in(root: Path, entry: dict[str, Any]) -> Path | None:
-    bak = entry.get("backup")
-    return in_root(root, bak) if bak else None
-
-
-def uninstall(
-    *, root: Path = Path("/"), dry_run: bool = False, runner: Runner | None = None
-) -> ServiceResult:
-    root = Path(root)
-    manifest = load_manifest(root)
-    if manifest is None:
-        res = ServiceResult("uninstall", str(root), None, None, None, dry_run)
-        res.notes.append(f"nothing installed in {root} (no {MANIFEST})")
-        return res
-    res = ServiceResult(
-        "uninstall", str(root), manifest["manager"], manifest["profile"], manifest["host"], dry_run
-    )
-    live = str(root) == "/"
-    names = manifest.get("services", [])
-    stop: list[list[str]] = []
-    after: list[list[str]] = []
-    if live:
-        stop, after = manager_named(manifest["manager"]).uninstall_commands(names)
-        res.commands = stop + after
-    for f in manifest["files"]:
-        if f.get("preexisting"):
-            res.files.append(FileAction(f["path"], "unchanged"))
-        else:
-            res.files.append(
-                FileAction(f["path"], "restore" if f.get("backup") else "remove", f.get("backup"))
-            )
-    dirs = [d for d in reversed(manifest["dirs"]) if in_root(root, d).is_dir()]
-    if dry_run:
-        res.dirs_removed = dirs
-        return res
-    runner = runner or default_runner()
-    # Stop first, so nothing runs from files about to go.
-    for argv in stop:
-        run_live(runner, argv)
-    tx = Transaction()
-    for f in manifest["files"]:
-        if not f.get("preexisting"):
-            tx.remove(in_root(root, f["path"]), _backup_in(root, f))
-    tx.remove(in_root(root, MANIFEST), None)
-    try:
-        tx.run()
-    except OSError as e:
-        raise InputError(f"uninstall from {root} failed and was undone: {e}") from None
-    for d in dirs:
-        p = in_root(root, d)
-        try:
-            p.rmdir()
-            res.dirs_removed.append(d)
-        except OSError:
-            res.notes.append(f"kept {d}: not empty")
-    for argv in after:
-        runner.run(argv, timeout=60, check=False)
-    return res
-
-
-# ---- status ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class FileState:
-    path: str
-    state: str  # ok / missing / modified
-    backup: str | None = None
-
-
-@dataclass
-class ServiceStatus:
-    root: str
-    installed: bool
-    manager: str | None = None
-    profile: str | None = None
-    host: str | None = None
-    files: list[FileState] = field(default_factory=list)
-    services: list[UnitStatus] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        if not self.installed:
-            return False
-        if any(f.state != "ok" for f in self.files):
-            return False
-        return all(s.ok for s in self.services)
-
-    def as_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["ok"] = self.ok
-        return d
-
-
-def status(*, root: Path = Path("/"), runner: Runner | None = None) -> ServiceStatus:
-    root = Path(root)
-    manifest = load_manifest(root)
-    if manifest is None:
-        return ServiceStatus(str(root), False, notes=[f"not installed in {root}"])
-    st = ServiceStatus(str(root), True, manifest["manager"], manifest["profile"], manifest["host"])
-    for f in manifest["files"]:
-        p = in_root(root, f["path"])
-        if not p.is_file():
-            state = "missing"
-        elif _sha(p.read_bytes()) != f["sha256"]:
-            state = "modified"
-        else:
-            state = "ok"
-        st.files.append(FileState(f["path"], state, f.get("backup")))
-    if str(root) != "/":
-        st.notes.append(f"--root {root}: files only; services are not queried")
-        return st
-    runner = runner or default_runner()
-    mgr = manager_named(manifest["manager"])
-    st.services = [mgr.unit_status(runner, name) for name in manifest.get("services", [])]
-    return st

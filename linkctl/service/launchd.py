@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from linkctl.service.manager import FileAction, UnitStatus
+from linkctl.service.base import Action, FileAction, UnitStatus
 from linkctl.service.render import (
     LABEL_PREFIX,
     LAUNCHD_DIR,
@@ -43,10 +43,10 @@ class Launchd:
             if not f.path.startswith(LAUNCHD_DIR):
                 continue
             lab = Path(f.path).stem
-            if f.action == "remove":
+            if f.action == Action.REMOVE:
                 cmds.append(["launchctl", "bootout", f"system/{lab}"])
                 continue
-            if f.action != "unchanged":
+            if f.action != Action.UNCHANGED:
                 # bootout is allowed to fail (not loaded yet); bootstrap loads the new plist.
                 cmds.append(["launchctl", "bootout", f"system/{lab}"])
             cmds.append(["launchctl", "enable", f"system/{lab}"])

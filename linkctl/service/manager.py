@@ -1,84 +1,24 @@
-"""The one interface every service manager implements, the one status shape they all
-return, and the one place a host's manager is chosen (callers never branch on it)."""
+"""The one place a host's service manager is chosen (callers never branch on it)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from linkctl.core.errors import InputError
+from linkctl.core.profile import HostSpec
+from linkctl.service.base import ServiceManager
+from linkctl.service.launchd import Launchd
+from linkctl.service.systemd import Systemd
 
-if TYPE_CHECKING:
-    from linkctl.core.profile import HostSpec, Profile
-    from linkctl.core.runner import Runner
-    from linkctl.service.render import ServicePaths
-
-
-@dataclass
-class FileAction:
-    path: str
-    action: str  # create / update / unchanged / replace (foreign file backed up) / remove / restore
-    backup: str | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class UnitStatus:
-    """One service as its manager reports it, the same fields for systemd and launchd
-    (a field the manager has no notion of is None)."""
-
-    name: str
-    active: str  # systemd ActiveState / launchd state, or "not loaded"
-    ok: bool  # running, or a one-shot that finished cleanly
-    sub: str | None = None  # systemd SubState
-    enabled: str | None = None  # systemd UnitFileState
-    result: str | None = None  # systemd Result / launchd last exit code
-    pid: int | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-class ServiceManager(Protocol):
-    name: str  # "systemd" / "launchd", as recorded in the manifest
-    # Whether the manager can allocate a throwaway user at start (systemd DynamicUser=).
-    dynamic_user: bool
-    # Directories the manager needs besides the files' own (launchd opens log files).
-    extra_dirs: tuple[str, ...]
-    # What enables and starts the services on the target, for the --root note.
-    start_hint: str
-
-    def render(self, profile: Profile, host: HostSpec, paths: ServicePaths) -> dict[str, str]:
-        """The manager's own files (units / plists) by absolute target path."""
-        ...
-
-    def service_names(self) -> list[str]:
-        """Unit names or labels, in start order."""
-        ...
-
-    def install_commands(self, names: list[str], files: list[FileAction]) -> list[list[str]]:
-        """Commands that load what an install changed and start everything."""
-        ...
-
-    def uninstall_commands(self, names: list[str]) -> tuple[list[list[str]], list[list[str]]]:
-        """(stop before the files go, clean up after they are gone)."""
-        ...
-
-    def unit_status(self, runner: Runner, name: str) -> UnitStatus: ...
+MANAGERS: dict[str, type[ServiceManager]] = {"systemd": Systemd, "launchd": Launchd}
 
 
 def manager_named(name: str) -> ServiceManager:
-    if name == "systemd":
-        from linkctl.service.systemd import Systemd
-
-        return Systemd()
-    if name == "launchd":
-        from linkctl.service.launchd import Launchd
-
-        return Launchd()
-    from linkctl.core.errors import InputError
-
-    raise InputError(f"unknown service manager {name!r} in the manifest", "remove it and re-run")
+    """The manager a manifest names."""
+    cls = MANAGERS.get(name)
+    if cls is None:
+        raise InputError(
+            f"unknown service manager {name!r} in the manifest", "remove it and re-run"
+        )
+    return cls()
 
 
 def manager_for(host: HostSpec) -> ServiceManager:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from linkctl.service.manager import FileAction, UnitStatus
+from linkctl.service.base import Action, FileAction, UnitStatus
 from linkctl.service.render import SYSTEMD_UNITS, UNIT_DIR, render_systemd
 
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ class Systemd:
         return list(SYSTEMD_UNITS)
 
     def install_commands(self, names: list[str], files: list[FileAction]) -> list[list[str]]:
-        changed = [f for f in files if f.action != "unchanged"]
+        changed = [f for f in files if f.action != Action.UNCHANGED]
         cmds: list[list[str]] = []
         if changed:
             cmds.append(["systemctl", "daemon-reload"])
