@@ -73,9 +73,7 @@ def run_generator(cmd: str) -> str:
     argv = shlex.split(cmd)
     if argv and argv[0] == "python":
         argv[0] = sys.executable
-    res = subprocess.run(
-        argv, cwd=REPO, capture_output=True, text=True, timeout=600, check=False
-    )
+    res = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
     assert res.returncode == 0, f"`{cmd}` exited {res.returncode}: {res.stderr[-2000:]}"
     return res.stdout
 
