@@ -1,0 +1,160 @@
+"""The documentation: README.md as a short front door, one docs/ file per topic.
+
+Checks, with no network: the README's length and its two bootstrap commands; every topic
+file exists; no link or bare URL leads outside the repository; every relative link
+resolves to a file here; and every block between ``<!-- generated: CMD -->`` and
+``<!-- end generated -->`` is exactly what CMD prints now (``python`` in CMD is this
+interpreter, cwd the repository root), so a generated table cannot go stale.
+
+    python tests/test_docs.py --regenerate    # rewrite every generated block in place
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+README = REPO / "README.md"
+DOCS = REPO / "docs"
+README_MAX_LINES = 200
+TOPICS = [
+    "install.md",
+    "walkthrough.md",
+    "profiles.md",
+    "cli.md",
+    "probe.md",
+    "estimate-model.md",
+    "estimate-accuracy.md",
+    "serve.md",
+    "verify.md",
+    "disaggregated.md",
+    "boot-services.md",
+    "lab.md",
+    "performance.md",
+    "troubleshooting.md",
+    "architecture.md",
+]
+BOOTSTRAP_LINES = [
+    "    bash scripts/bootstrap.sh demo    # install everything, run `linkctl lab demo` "
+    "(dgx-mac, in namespaces)",
+    "    bash scripts/bootstrap.sh test    # install everything, run the whole test suite "
+    "(what .ci/run runs)",
+]
+
+# [text](target) and ![alt](target); <target> autolinks; [ref]: target definitions.
+INLINE_LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+AUTOLINK = re.compile(r"<([a-zA-Z][a-zA-Z0-9+.-]*:[^>\s]*)>")
+REF_DEF = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s|$)", re.M)
+EXTERNAL = re.compile(r"https?://", re.I)
+GENERATED = re.compile(
+    r"^<!-- generated: (?P<cmd>.+?) -->\n(?P<body>.*?)^<!-- end generated -->$", re.M | re.S
+)
+
+
+def doc_files() -> list[Path]:
+    return [README, *sorted(DOCS.glob("*.md"))]
+
+
+def links(text: str) -> list[str]:
+    return [
+        *INLINE_LINK.findall(text),
+        *AUTOLINK.findall(text),
+        *REF_DEF.findall(text),
+    ]
+
+
+def run_generator(cmd: str) -> str:
+    argv = shlex.split(cmd)
+    if argv and argv[0] == "python":
+        argv[0] = sys.executable
+    res = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+    assert res.returncode == 0, f"`{cmd}` exited {res.returncode}: {res.stderr[-2000:]}"
+    return res.stdout
+
+
+def generated_blocks(path: Path) -> list[tuple[str, str]]:
+    return [(m["cmd"], m["body"]) for m in GENERATED.finditer(path.read_text())]
+
+
+def test_readme_is_short() -> None:
+    n = len(README.read_text().splitlines())
+    assert n <= README_MAX_LINES, f"README.md has {n} lines, at most {README_MAX_LINES}"
+
+
+def test_readme_has_the_two_bootstrap_commands() -> None:
+    lines = README.read_text().splitlines()
+    for want in BOOTSTRAP_LINES:
+        assert want in lines, f"README.md lacks the line {want!r}"
+
+
+@pytest.mark.parametrize("name", TOPICS)
+def test_topic_file_exists(name: str) -> None:
+    path = DOCS / name
+    assert path.is_file(), f"docs/{name} is missing"
+    first = next((ln for ln in path.read_text().splitlines() if ln.strip()), "")
+    assert first.startswith("# "), f"docs/{name} does not start with a title"
+    assert "(../README.md)" in path.read_text(), f"docs/{name} has no link back to the README"
+
+
+@pytest.mark.parametrize("path", doc_files(), ids=lambda p: str(p.relative_to(REPO)))
+def test_nothing_links_outside_the_repository(path: Path) -> None:
+    text = path.read_text()
+    bad = [t for t in links(text) if EXTERNAL.match(t) or "://" in t or t.startswith("//")]
+    assert not bad, f"{path.name} links outside the repository: {bad}"
+    bare = sorted(set(re.findall(r"https?://\S+", text, re.I)))
+    assert not bare, f"{path.name} holds URLs (cite them as plain text without the scheme): {bare}"
+
+
+@pytest.mark.parametrize("path", doc_files(), ids=lambda p: str(p.relative_to(REPO)))
+def test_relative_links_resolve(path: Path) -> None:
+    missing = []
+    for target in links(path.read_text()):
+        if target.startswith(("#", "mailto:")) or ":" in target.split("/")[0]:
+            continue
+        file_part = target.split("#", 1)[0]
+        if not file_part:
+            continue
+        resolved = (path.parent / file_part).resolve()
+        if not resolved.exists() or REPO not in (resolved, *resolved.parents):
+            missing.append(target)
+    assert not missing, f"{path.name} links to files that do not exist here: {missing}"
+
+
+def test_generated_blocks_are_current() -> None:
+    found = 0
+    for path in doc_files():
+        for cmd, body in generated_blocks(path):
+            found += 1
+            now = run_generator(cmd)
+            assert body.strip("\n") == now.strip("\n"), (
+                f"{path.name}: the block generated by `{cmd}` is stale; "
+                "regenerate it: python tests/test_docs.py --regenerate"
+            )
+    assert found, "no generated block found (docs/estimate-accuracy.md should hold one)"
+
+
+def regenerate() -> None:
+    for path in doc_files():
+        text = path.read_text()
+
+        def fill(m: re.Match[str]) -> str:
+            out = run_generator(m["cmd"]).strip("\n")
+            return f"<!-- generated: {m['cmd']} -->\n{out}\n<!-- end generated -->"
+
+        new = GENERATED.sub(fill, text)
+        if new != text:
+            path.write_text(new)
+            print(f"regenerated {path.relative_to(REPO)}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--regenerate"]:
+        regenerate()
+    else:
+        sys.exit(pytest.main([__file__, "-q"]))
