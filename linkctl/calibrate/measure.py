@@ -7,14 +7,13 @@ server it started; the figures go to calibrate.record.
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from linkctl.calibrate.plan import CalibrationPlan
-from linkctl.core.runner import Runner, default_runner, stop_process
-from linkctl.llama.client import Timing, local
+from linkctl.core.runner import Children, Runner, default_runner
+from linkctl.llama.client import LlamaServer, Timing
 
 
 @dataclass(frozen=True)
@@ -27,26 +26,6 @@ class RpcRuns:
 class Measurements:
     runs: list[list[Timing]]  # per plan model, in the plan's order
     rpc: RpcRuns | None = None
-
-
-class _Servers:
-    """Children started here; all stopped (by their own pid) on exit."""
-
-    def __init__(self, runner: Runner):
-        self.runner, self.procs = runner, []
-
-    def spawn(self, argv: list[str], log: Path) -> subprocess.Popen:
-        fh = log.open("w")
-        p = self.runner.spawn(argv, stdout=fh, stderr=subprocess.STDOUT)
-        self.procs.append(p)
-        return p
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        for p in reversed(self.procs):
-            stop_process(p, 10, kill_wait=5)
 
 
 def measure(
@@ -68,21 +47,25 @@ def measure(
     # All servers up at once and the timed requests interleaved (A, B, A, B, ...), so a
     # burst of other load on the host hits every model alike instead of skewing the solve.
     runs: list[list[Timing]] = [[] for _ in plan.servers]
-    with _Servers(runner) as srv:
+    with Children(runner) as srv:
         for s in plan.servers:
             say(f"loading {s.invocation.model} in llama-server on 127.0.0.1:{s.port}")
-            local(s.port).wait_healthy(srv.spawn(s.argv, Path(s.log)), 300, Path(s.log))
-        prompt = local(plan.servers[0].port).prompt_tokens(plan.prompt_tokens)
+            server = LlamaServer.serving(s.invocation)
+            server.wait_healthy(srv.spawn(s.argv, Path(s.log)), 300, Path(s.log))
+        first = LlamaServer.serving(plan.servers[0].invocation)
+        prompt = first.prompt_tokens(plan.prompt_tokens)
         for n in range(plan.runs):
             say(f"timed run {n + 1}/{plan.runs} on each of {len(plan.servers)} models")
             for i, s in enumerate(plan.servers):
-                runs[i] += local(s.port).timed_completions(plan.tokens, 1, prompt)
+                runs[i] += LlamaServer.serving(s.invocation).timed_completions(
+                    plan.tokens, 1, prompt
+                )
     if not (plan.rpc_server and plan.rpc_head):
         return Measurements(runs)
 
     from linkctl.llama.rpc import round_trip_us, wait_ready
 
-    with _Servers(runner) as srv:
+    with Children(runner) as srv:
         rs, head = plan.rpc_server, plan.rpc_head
         say(f"ggml-rpc-server on 127.0.0.1:{rs.port}: loopback round trip")
         srv.spawn(rs.argv, Path(rs.log))
@@ -90,6 +73,7 @@ def measure(
         loop_rtt = round_trip_us("127.0.0.1", rs.port)
         say(f"loading {head.invocation.model} in llama-server behind it, {plan.runs} timed runs")
         hp = srv.spawn(head.argv, Path(head.log))
-        local(head.port).wait_healthy(hp, 300, Path(head.log))
-        rpc_runs = local(head.port).timed_completions(plan.tokens, plan.runs, prompt)
+        behind = LlamaServer.serving(head.invocation)
+        behind.wait_healthy(hp, 300, Path(head.log))
+        rpc_runs = behind.timed_completions(plan.tokens, plan.runs, prompt)
     return Measurements(runs, RpcRuns(loop_rtt, rpc_runs))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel, Field, computed_field
 
@@ -52,10 +52,13 @@ class PlannedModel(BaseModel):
         return self.spec is not None
 
 
-class Server(BaseModel):
+Inv = TypeVar("Inv", ServerInvocation, RpcServerInvocation)
+
+
+class Server(BaseModel, Generic[Inv]):
     """One server calibrate starts, and where its log goes."""
 
-    invocation: ServerInvocation | RpcServerInvocation = Field(exclude=True)
+    invocation: Inv = Field(exclude=True)
     log: str
 
     @computed_field  # type: ignore[prop-decorator]
@@ -86,9 +89,10 @@ class CalibrationPlan(BaseModel):
     context: int
     prompt_tokens: int
     cpu_quota: CpuQuota | None  # None: not readable here (unknown, not unlimited)
-    servers: list[Server]  # one llama-server per model, all up at once
-    rpc_server: Server | None = None  # --rpc: ggml-rpc-server, then a llama-server using it
-    rpc_head: Server | None = None
+    servers: list[Server[ServerInvocation]]  # one llama-server per model, all up at once
+    # --rpc: ggml-rpc-server, then a llama-server using it
+    rpc_server: Server[RpcServerInvocation] | None = None
+    rpc_head: Server[ServerInvocation] | None = None
     llama_server: str
     workdir: str  # generated models and the servers' logs
     saves_to: str
@@ -251,11 +255,11 @@ def plan(
 
     server = bins.llama_server.path
 
-    def on_loopback(model: str, log: str, **more: Any) -> Server:
+    def on_loopback(model: str, log: str, **more: Any) -> Server[ServerInvocation]:
         inv = ServerInvocation(
             server, model, "127.0.0.1", free_port(), ngl=99, ctx=ctx, slots=1, threads=threads
         )
-        return Server(invocation=replace(inv, **more), log=log)
+        return Server[ServerInvocation](invocation=replace(inv, **more), log=log)
 
     servers = [
         on_loopback(m.path, str(workdir / f"llama-server-{i}.log")) for i, m in enumerate(models)
@@ -263,7 +267,7 @@ def plan(
     rpc_server = rpc_head = None
     if rpc and bins.rpc_server:
         rs = RpcServerInvocation(bins.rpc_server.path, "127.0.0.1", free_port(), threads=threads)
-        rpc_server = Server(invocation=rs, log=str(workdir / "rpc-server.log"))
+        rpc_server = Server[RpcServerInvocation](invocation=rs, log=str(workdir / "rpc-server.log"))
         # All layers on the RPC device: a GPU build would otherwise keep them local. The
         # device is named RPC0 (`llama-server --rpc H:P --list-devices` at b11434:
         # "RPC0: 127.0.0.1:50999"); "RPC0[H:P]" is its buffer's name, which --device

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -163,13 +163,19 @@ def register(app: typer.Typer) -> None:
             console.print(f"responder {me.name}: stopped", markup=False)
 
 
+if TYPE_CHECKING:
+    import threading
+
+    from rich.progress import Progress, TaskID
+
+
 class _IperfProgress:
     """A rich progress bar on stderr while iperf3 runs (never in --json mode)."""
 
     def __init__(self) -> None:
-        self._progress = None
-        self._task = None
-        self._timer = None
+        self._progress: Progress | None = None
+        self._task: TaskID | None = None
+        self._timer: threading.Thread | None = None
 
     def on_run(self, key: str, seconds: int) -> None:
         import threading

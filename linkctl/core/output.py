@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from linkctl.core.checks import Verdict
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 class _LazyConsole:
@@ -16,7 +19,7 @@ class _LazyConsole:
 
     def __init__(self, **kwargs: Any):
         self._kwargs = kwargs
-        self._console = None
+        self._console: Console | None = None
 
     def __getattr__(self, name: str) -> Any:
         if self._console is None:

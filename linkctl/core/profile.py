@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import ErrorDetails
 
 from linkctl.core.errors import InputError
 from linkctl.core.paths import profile_dirs
@@ -331,19 +332,19 @@ _FIXES = {
 }
 
 
-def _format_error(err: dict[str, Any], source: str) -> str:
+def _format_error(err: ErrorDetails, source: str) -> tuple[str, str | None]:
+    """(message, fix) for the first validation error."""
     ctx = err.get("ctx") or {}
     inner = ctx.get("error")
     if isinstance(inner, _FieldError):
-        return f"{source}: {inner.field} = {inner.value!r}: {inner.msg}"
+        return f"{source}: {inner.field} = {inner.value!r}: {inner.msg}", None
     loc = ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in err["loc"])
     loc = loc.replace(".[", "[")
     msg = err["msg"].removeprefix("Value error, ")
     fix = _FIXES.get(err["type"])
     value = err.get("input")
     shown = "" if err["type"] == "missing" else f" = {value!r}"
-    line = f"{source}: {loc or 'profile'}{shown}: {msg}"
-    return f"{line} (fix: {fix})" if fix else line
+    return f"{source}: {loc or 'profile'}{shown}: {msg}", fix
 
 
 def parse_profile(data: dict[str, Any], source: str = "profile") -> Profile:
@@ -351,7 +352,7 @@ def parse_profile(data: dict[str, Any], source: str = "profile") -> Profile:
         return Profile.model_validate(data)
     except ValidationError as e:
         # One line: the first error; the rest are usually consequences of it.
-        raise InputError(_format_error(e.errors()[0], source)) from None
+        raise InputError(*_format_error(e.errors()[0], source)) from None
 
 
 def resolve_profile_path(name_or_path: str) -> Path:

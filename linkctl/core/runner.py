@@ -12,7 +12,8 @@ import shutil
 import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
 
 from linkctl.core.errors import CommandNotFound, InputError, Timeout
 
@@ -145,6 +146,35 @@ def stop_process(
             proc.kill()
             proc.wait(kill_wait)
     return proc.returncode
+
+
+class Children:
+    """Servers started for a ``with`` block, each writing its output to a log file; every
+    one stopped (by its own pid, newest first) when the block ends, however it ends."""
+
+    def __init__(self, runner: Runner, stop_timeout: float = 10.0, kill_wait: float = 5.0):
+        self.runner, self.stop_timeout, self.kill_wait = runner, stop_timeout, kill_wait
+        self._procs: list[tuple[subprocess.Popen, IO[str]]] = []
+
+    def spawn(self, argv: Sequence[str], log: Path) -> subprocess.Popen:
+        fh = log.open("w")
+        try:
+            proc = self.runner.spawn(argv, stdout=fh, stderr=subprocess.STDOUT)
+        except BaseException:
+            fh.close()
+            raise
+        self._procs.append((proc, fh))
+        return proc
+
+    def __enter__(self) -> Children:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for proc, fh in reversed(self._procs):
+            try:
+                stop_process(proc, self.stop_timeout, kill_wait=self.kill_wait)
+            finally:
+                fh.close()
 
 
 _default = Runner()

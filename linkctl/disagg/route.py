@@ -258,7 +258,9 @@ class Router:
         want = int(saved.get("n_saved", saved.get("n_tokens", -2)))
         if o.restored_tokens != want:
             raise UpstreamError(
-                f"restored {o.restored_tokens} tokens, the prefill host saved {want}"
+                f"restored {o.restored_tokens} tokens, the prefill host saved {want}",
+                "both servers must run one build and model (`linkctl doctor` on the head)",
+                url=f"{cfg.decode.url}/slots/{k}?action=restore",
             )
 
     def erase(self, k: int) -> None:

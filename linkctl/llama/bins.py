@@ -163,9 +163,9 @@ def _find(names: tuple[str, ...], dirs: list[tuple[str, Path | None]]) -> tuple[
     for label, d in dirs:
         for n in names:
             if d is None:
-                p = shutil.which(n)
-                if p:
-                    return p, label
+                on_path = shutil.which(n)
+                if on_path:
+                    return on_path, label
             else:
                 p = d / n
                 if p.is_file() and os.access(p, os.X_OK):

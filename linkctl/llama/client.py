@@ -111,7 +111,8 @@ class LlamaServer:
             ) from None
         if r.status != 200:
             err = out.get("error") if isinstance(out, dict) else None
-            msg = err.get("message") if isinstance(err, dict) else err or raw[:200]
+            msg = err.get("message") if isinstance(err, dict) else err
+            msg = msg or raw[:200].decode(errors="replace")
             raise UpstreamError(f"{where}: HTTP {r.status}: {msg}", url=where, status=r.status)
         return out if isinstance(out, dict) else {"result": out}
 
@@ -180,8 +181,3 @@ class LlamaServer:
                 raise CheckFailed(f"llama-server answered without decode timings: {sorted(r)}")
             out.append(Timing(**{k: float(t.get(k) or 0) for k in Timing.__dataclass_fields__}))
         return out
-
-
-def local(port: int) -> LlamaServer:
-    """A llama-server linkctl started on this host's loopback."""
-    return LlamaServer("127.0.0.1", port)

@@ -78,16 +78,6 @@ class PingSummary:
     max_us: float | None
     dev_us: float | None
 
-    def as_dict(self) -> dict[str, float | int | None]:
-        return {
-            "sent": self.sent,
-            "received": self.received,
-            "min_us": self.min_us,
-            "avg_us": self.avg_us,
-            "max_us": self.max_us,
-            "stddev_us": self.dev_us,
-        }
-
 
 def parse_ping(output: str) -> PingSummary:
     """Packet counts and the RTT summary (in microseconds) from either OS's ping."""

@@ -126,7 +126,14 @@ def check_icmp_rtt(
     ok, s, note = ping(
         backend, peer.ip, count=count, timeout_s=min(timeout_s, 1.0), interval_s=0.01
     )
-    icmp = IcmpStats(**s.as_dict())
+    icmp = IcmpStats(
+        sent=s.sent,
+        received=s.received,
+        min_us=s.min_us,
+        avg_us=s.avg_us,
+        max_us=s.max_us,
+        stddev_us=s.dev_us,
+    )
     report.latency.icmp = icmp
     if s.received == 0:
         report.add(

@@ -48,7 +48,12 @@ class ProbeReport:
     elapsed_s: float = 0.0
 
     def add(
-        self, name: str, verdict: str, value: Any = None, threshold: Any = None, detail: str = ""
+        self,
+        name: str,
+        verdict: Verdict,
+        value: Any = None,
+        threshold: Any = None,
+        detail: str = "",
     ) -> Check:
         c = Check(name, verdict, value, threshold, detail)
         self.checks.append(c)

@@ -155,32 +155,34 @@ def compare(prompt: str, ref: list[Step], got: list[Step], tol: Tolerance) -> Pr
             break
     agreed = sum(r.token == g.token for r, g in zip(ref, got, strict=False))
     no_probs = sum(not (r.has_probs and g.has_probs) for r, g in zip(ref, got, strict=False))
-    vals = dict(
-        prompt=prompt,
-        positions=n,
-        compared=compared,
-        agreed=agreed,
-        first_divergence=first,
-        max_logprob_diff=worst,
-        max_diff_position=worst_at,
-        reference_text="".join(s.text for s in ref),
-        split_text="".join(s.text for s in got),
-    )
+
+    def result(verdict: Verdict, detail: str) -> PromptResult:
+        return PromptResult(
+            prompt=prompt,
+            positions=n,
+            compared=compared,
+            agreed=agreed,
+            first_divergence=first,
+            max_logprob_diff=worst,
+            max_diff_position=worst_at,
+            verdict=verdict,
+            detail=detail,
+            reference_text="".join(s.text for s in ref),
+            split_text="".join(s.text for s in got),
+        )
+
     diff = (
         f"max |Δ logprob| {worst:.2g} nats at position {worst_at}" if worst_at is not None else ""
     )
     if no_probs:
         diff += f" ({no_probs} positions without probabilities: tokens only)"
     if math.isinf(worst):
-        return PromptResult(
-            **vals,
-            verdict=Verdict.FAIL,
-            detail=f"non-finite log-probabilities at position {worst_at} (NaN/inf logits)",
+        return result(
+            Verdict.FAIL,
+            f"non-finite log-probabilities at position {worst_at} (NaN/inf logits)",
         )
     if len(got) < n and first == len(got):
-        return PromptResult(
-            **vals, verdict=Verdict.FAIL, detail=f"split generated {len(got)} of {n} tokens"
-        )
+        return result(Verdict.FAIL, f"split generated {len(got)} of {n} tokens")
     if first is not None:
         r, g = ref[first], got[first]
         what = (
@@ -188,21 +190,16 @@ def compare(prompt: str, ref: list[Step], got: list[Step], tol: Tolerance) -> Pr
             f"split token {g.token} {g.text!r}; {agreed}/{n} positions agree; {diff}"
         )
         if first < tol.strict_positions:
-            return PromptResult(**vals, verdict=Verdict.FAIL, detail=what)
+            return result(Verdict.FAIL, what)
         if worst > tol.logprob_fail:
-            return PromptResult(**vals, verdict=Verdict.FAIL, detail=what)
-        return PromptResult(
-            **vals, verdict=Verdict.WARN, detail=what + f" (after the first {tol.strict_positions})"
-        )
+            return result(Verdict.FAIL, what)
+        return result(Verdict.WARN, what + f" (after the first {tol.strict_positions})")
     what = f"{n}/{n} tokens agree, {diff}"
     if worst > tol.logprob_fail:
-        return PromptResult(
-            **vals, verdict=Verdict.FAIL, detail=f"{what} > bound {tol.logprob_fail:g}"
-        )
+        return result(Verdict.FAIL, f"{what} > bound {tol.logprob_fail:g}")
     if worst > tol.logprob_warn:
-        return PromptResult(
-            **vals,
-            verdict=Verdict.WARN,
-            detail=f"{what} > {tol.logprob_warn:g} (bound {tol.logprob_fail:g})",
+        return result(
+            Verdict.WARN,
+            f"{what} > {tol.logprob_warn:g} (bound {tol.logprob_fail:g})",
         )
-    return PromptResult(**vals, verdict=Verdict.PASS, detail=f"{what} (bound {tol.logprob_fail:g})")
+    return result(Verdict.PASS, f"{what} (bound {tol.logprob_fail:g})")

@@ -152,7 +152,7 @@ def head_fits(prof: Profile, model_path: str) -> tuple[bool, str]:
     parts, _notes = participants(prof)
     head = next(p for p in parts if p.role == "head")
     n = model.block_count
-    slots = (
+    slots: list[int | None] = (
         llama_slot_devices(n, [1.0], prof.serve.ngl)
         if head.device.kind == "gpu"
         else [None] * (n + 1)

@@ -82,27 +82,28 @@ def choose_split(
     made, serve falls back to llama.cpp's split and says why; asked for explicitly,
     it refuses (exit 2)."""
     s = profile.serve
+    # field: the flag or profile field the split came from, named in errors
     if split is not None:
-        source, text = "--split", split
+        field_, source, text = "--split", "--split", split
     elif s.tensor_split:
-        source, text = "serve.tensor_split in the profile", None
+        field_, source, text = "serve.tensor_split", "serve.tensor_split in the profile", None
     elif s.split is not None:
-        source, text = "serve.split in the profile", s.split
+        field_, source, text = "serve.split", "serve.split in the profile", s.split
     else:
-        source, text = "default", "recommended"
+        field_, source, text = "serve.split", "default", "recommended"
     if text is None:
         spec: str | list[float] = legacy_tensor_split(profile) or []
     else:
         try:
             spec = parse_split_spec(text)
         except ValueError as e:
-            raise InputError(f"{source.split(' in ')[0]} {text!r}: {e}") from None
+            raise InputError(f"{field_} {text!r}: {e}") from None
     order = [h.name for h in profile.rpc_hosts]
     if isinstance(spec, list):
         n_rpc = len(profile.rpc_hosts)
         if len(spec) not in (n_rpc, n_rpc + 1):
             raise InputError(
-                f"{source.split(' in ')[0]} {text or spec}: {len(spec)} weights, the split has "
+                f"{field_} {text or spec}: {len(spec)} weights, the split has "
                 f"{n_rpc} rpc host(s) ({', '.join(order)}) and maybe the head's GPU",
                 f"give {n_rpc} or {n_rpc + 1} weights in llama.cpp order: rpc hosts in --rpc "
                 "order, then the head",
@@ -111,7 +112,7 @@ def choose_split(
             "weights", source, spec, order + [profile.head.name][: len(spec) - n_rpc]
         )
     else:
-        choice = SplitChoice(spec, source, None, order)
+        choice = SplitChoice("llama" if spec == "llama" else "recommended", source, None, order)
     try:
         est = _estimate_for(profile, model, choice, calibration)
     except InputError as e:

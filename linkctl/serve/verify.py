@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +23,7 @@ from linkctl.core.checks import Check, Verdict, worst
 from linkctl.core.errors import CheckFailed, InputError
 from linkctl.core.log import Say, quiet
 from linkctl.core.profile import Profile
-from linkctl.core.runner import Runner, default_runner, stop_process
+from linkctl.core.runner import Children, Runner, default_runner
 from linkctl.gguf.info import ModelInfo
 from linkctl.llama.bins import LlamaBins
 from linkctl.llama.client import LlamaServer
@@ -166,25 +165,6 @@ def default_model() -> tuple[str, str]:
     ), f"default: tiny random-weight llama written by linkctl ({spec.n_layer} layers)"
 
 
-class _Server:
-    """One placement's llama-server, stopped by its own pid on exit."""
-
-    def __init__(self, pl: Placement, log: Path, runner: Runner):
-        self.log = log
-        self.server = LlamaServer.serving(pl.invocation)
-        self._fh = log.open("w")
-        self.proc: subprocess.Popen = runner.spawn(
-            pl.invocation.argv(), stdout=self._fh, stderr=subprocess.STDOUT
-        )
-
-    def __enter__(self) -> _Server:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        stop_process(self.proc, 15, kill_wait=5)
-        self._fh.close()
-
-
 def greedy_steps(server: LlamaServer, prompt: str, opts: VerifyOptions) -> list[Step]:
     """Greedy decoding one token per request, each request the prompt's token ids plus
     the tokens chosen so far (the prefix stays in llama-server's prompt cache). One
@@ -228,17 +208,20 @@ def run_prompts(
     pl: Placement, opts: VerifyOptions, log_dir: Path, say: Say, runner: Runner
 ) -> tuple[list[list[Step]], dict[str, float]]:
     t0 = time.monotonic()
-    with _Server(pl, log_dir / f"{pl.role}.log", runner) as srv:
+    log = log_dir / f"{pl.role}.log"
+    server = LlamaServer.serving(pl.invocation)
+    with Children(runner, stop_timeout=15) as kids:
+        proc = kids.spawn(pl.invocation.argv(), log)
         say(f"{pl.role} ({pl.kind}): loading the model in llama-server ...")
-        srv.server.wait_healthy(srv.proc, opts.load_timeout_s, srv.log)
+        server.wait_healthy(proc, opts.load_timeout_s, log)
         t_load = time.monotonic() - t0
         say(f"{pl.role}: ready in {t_load:.1f} s")
         out = []
         for i, prompt in enumerate(opts.prompts, 1):
-            steps = greedy_steps(srv.server, prompt, opts)
+            steps = greedy_steps(server, prompt, opts)
             say(f"{pl.role}: prompt {i}/{len(opts.prompts)}: {len(steps)} tokens")
             out.append(steps)
-    pl.buffers_mib = model_buffers(srv.log.read_text(errors="replace"))
+    pl.buffers_mib = model_buffers(log.read_text(errors="replace"))
     return out, {f"{pl.role}_load_s": t_load, f"{pl.role}_total_s": time.monotonic() - t0}
 
 
