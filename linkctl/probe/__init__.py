@@ -111,7 +111,7 @@ def _steps(
         )
     except latency.ResponderUnavailable as e:
         report.add("tcp rtt", Verdict.SKIP, None, spec.max_rtt_p99_us, e.message)
-        report.stop(e.line(), e.exit_code)
+        report.stop(e.message, e.exit_code)
         return
     report.latency.tcp = tcp
     report.latency.responder = banner
@@ -156,7 +156,7 @@ def _steps(
             )
         except tp.IperfError as e:
             report.add("throughput", Verdict.SKIP, None, spec.min_throughput_gbps, e.message)
-            report.stop(e.line(), e.exit_code)
+            report.stop(e.message, e.exit_code)
             return
         for t in report.throughput.values():
             gbps = t.gbps or 0.0
