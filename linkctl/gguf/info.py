@@ -122,7 +122,8 @@ class ModelInfo:
         -INF. A kernel that runs over the whole view reads them all (window + ubatch);
         ``skips_masked``: the backend's flash attention skips the cache chunks the mask
         fully masks, so the block reads about its window (the chunks cut by the window's
-        edges add at most one chunk, 32 or 64 cells; see linkctl.estimate.cost.skips_masked_kv)."""
+        edges add at most one chunk, 32 or 64 cells; see
+        linkctl.estimate.features.skips_masked_kv)."""
         if layer in self._swa:
             return min(depth, self.sliding_window + (0 if skips_masked else ubatch))
         return depth
