@@ -89,7 +89,7 @@ def test_attention_without_flash_attention_reads_kv_once_per_query_head():
     """Without flash attention llama.cpp's mat-vec kernels broadcast K and V over the
     query heads and materialise the F32 KQ row, so a row's KV feature is n_head / n_head_kv
     times the cache bytes plus the KQ passes; with it, the cache bytes. Nothing else moves."""
-    from linkctl.estimate.cost import decode_features
+    from linkctl.estimate.features import decode_features
     from linkctl.gguf.shapes import model_info
 
     m = model_info("llama-3-70b", "Q4_K_M")  # 64 query heads, 8 KV heads, head dim 128

@@ -11,7 +11,6 @@ from ggufshapes import LLAMA_7B, LLAMA_70B, QWEN3_235B_A22B, write_header_only
 from linkctl.core.errors import InputError
 from linkctl.estimate.catalog import DecodeTerms, Device, PrefillTerms, load_catalog
 from linkctl.estimate.cost import (
-    DEFAULT_UBATCH,
     GIB,
     RPC_ROUND_TRIPS_PER_TOKEN,
     RPC_TOKEN_EXTRA_BYTES,
@@ -19,10 +18,10 @@ from linkctl.estimate.cost import (
     LinkFigures,
     Participant,
     estimate,
-    llama_slot_devices,
     scenario,
-    slots_from_counts,
 )
+from linkctl.estimate.features import DEFAULT_UBATCH
+from linkctl.estimate.layers import llama_slot_devices, slots_from_counts
 from linkctl.estimate.report import reason
 from linkctl.gguf.info import read_model
 
@@ -344,7 +343,7 @@ def test_metal_flash_attention_reads_only_a_sliding_window_blocks_window():
     on an NVIDIA one, and the estimate follows the device's family."""
     from dataclasses import replace
 
-    from linkctl.estimate.cost import skips_masked_kv
+    from linkctl.estimate.features import skips_masked_kv
     from linkctl.gguf.shapes import model_info
 
     assert skips_masked_kv("apple") and not skips_masked_kv("apple", flash_attn=False)

@@ -73,7 +73,7 @@ def record(plan: CalibrationPlan, m: Measurements) -> CalibrationRecord:
     decode terms, the prefill compute and (``--rpc``) this host as an RPC device."""
     from dataclasses import asdict
 
-    from linkctl.estimate.cost import decode_features, prefill_features
+    from linkctl.estimate.features import decode_features, prefill_features
     from linkctl.gguf.info import read_model
 
     def bytes_per_token(model, run: Timing) -> float:

@@ -41,7 +41,7 @@ FAMILIES = ("apple", "nvidia", "cpu")
 
 @dataclass(frozen=True)
 class DecodeTerms:
-    """Time of one generated token on one device, per block it holds (see linkctl.estimate.cost):
+    """Time of one generated token on one device, per block it holds (docs/estimate-model.md):
     layer_us x blocks + moe_layer_us x MoE blocks + quantized weight bytes / bw_gbs
     + F16/BF16/F32 weight bytes / bw_f16_gbs + KV-cache bytes read / kv_bw_gbs."""
 

@@ -1,7 +1,7 @@
 """Fit each catalog device's decode and prefill terms to public llama-bench rows.
 
 The rows (data/published_bench.toml) go through the estimator's own feature code
-(linkctl.estimate.cost.decode_features / prefill_features on a linkctl.gguf.shapes model),
+(linkctl.estimate.features.decode_features / prefill_features on a linkctl.gguf.shapes model),
 so a row's predicted time is exactly what `linkctl estimate` computes for that
 model on that device. Time is linear in the terms' coefficients (µs per block,
 µs per byte, µs per FLOP), so each device is a non-negative least-squares problem
@@ -34,7 +34,7 @@ from typing import Any
 
 from linkctl.core.errors import InputError
 from linkctl.estimate.catalog import DecodeTerms, PrefillTerms, load_spec, prior_terms
-from linkctl.estimate.cost import (
+from linkctl.estimate.features import (
     decode_coefs,
     decode_features,
     decode_terms_from_coefs,
@@ -155,7 +155,7 @@ def row_features(row: Row) -> list[float]:
     layers = list(range(m.block_count))
     # Whether the row's backend skips the cache chunks the mask fully masks (Metal's flash
     # attention does, CUDA's single-sequence decode does not): a sliding-window block then
-    # reads its window, not its whole cache (linkctl.estimate.cost.skips_masked_kv).
+    # reads its window, not its whole cache (linkctl.estimate.features.skips_masked_kv).
     skip = skips_masked_kv(_family(row.device), row.flash_attn)
     if row.kind == "decode":
         depth = row.depth + row.n / 2

@@ -10,7 +10,8 @@ from linkctl.core.errors import InputError
 from linkctl.core.profile import Profile
 from linkctl.core.records import ProbeRecord, latest_probe_path, load_calibrations, load_probe
 from linkctl.estimate.catalog import apply_calibration, get_device, load_catalog, rpc_role
-from linkctl.estimate.cost import GIB, Estimate, LinkFigures, Participant, estimate, split_devices
+from linkctl.estimate.cost import GIB, Estimate, LinkFigures, Participant, estimate
+from linkctl.estimate.layers import split_devices
 
 
 def link_figures(

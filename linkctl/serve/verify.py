@@ -336,7 +336,7 @@ def another_split(
 ) -> tuple[list[str], str, str]:
     """The reference argv for a model that does not fit the head: the same devices, the
     layers elsewhere. Returns (argv, reference assignment, split assignment)."""
-    from linkctl.estimate.cost import llama_slot_devices
+    from linkctl.estimate.layers import llama_slot_devices
 
     ngl = int(_opt(split_argv, "-ngl") or 99)
     names = [d.name for d in devices]
@@ -381,7 +381,8 @@ def another_split(
 def head_fits(prof: Profile, model_path: str) -> tuple[bool, str]:
     """Does the model fit the head alone, by estimate's memory model (weights + KV at
     CTX + llama.cpp's buffers, against the profile's memory_gb x usable fraction)?"""
-    from linkctl.estimate.cost import GIB, llama_slot_devices, scenario
+    from linkctl.estimate.cost import GIB, scenario
+    from linkctl.estimate.layers import llama_slot_devices
     from linkctl.estimate.run import participants
     from linkctl.gguf.info import read_model
 
