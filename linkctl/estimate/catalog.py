@@ -183,12 +183,13 @@ def load_catalog(path: Path | None = None, fit: Path | None = None) -> dict[str,
                 ) from None
             notes = {str(k): str(v) for k, v in (f.get("notes") or {}).items()}
             notes["summary"] = str(f.get("summary", "fitted"))
+        figures: dict[str, Any] = {x: float(d[x]) for x in _FIELDS}
         out[key] = Device(
             key=key,
             name=d["name"],
             kind=d["kind"],
             family=d["family"],
-            **{x: float(d[x]) for x in _FIELDS},
+            **figures,
             decode=dec,
             prefill=pre,
             sources={x: d[f"{x}_source"] for x in _FIELDS},

@@ -88,11 +88,12 @@ def render(est: Estimate) -> None:
     for label, sc in rows:
         console.print(f"{label:22}{sc.decode_tok_s_depth0:>14.1f}{sc.decode_tok_s_full_ctx:>18.1f}")
     if est.split:
-        s = est.split
+        s, link = est.split, est.link
+        assert link is not None  # run_estimate passes link figures when there is an rpc host
         console.print()
         console.print(
             f"network per token: {s.network_us:.0f} µs = {s.round_trips_per_token} round trip(s) "
-            f"x {est.link.rtt_us:.0f} µs + {s.bytes_crossing_per_token / 1024:.1f} KiB transfer "
+            f"x {link.rtt_us:.0f} µs + {s.bytes_crossing_per_token / 1024:.1f} KiB transfer "
             f"({s.network_transfer_us:.0f} µs)"
             + (f" + RPC overhead {s.network_overhead_us:.0f} µs" if s.network_overhead_us else "")
         )
