@@ -156,8 +156,8 @@ def test_recommendation_split_needed_when_head_is_too_small(models):
     est = estimate(m, pair(head_gib=30, rpc_gib=30), LINK, ctx=2048)
     assert not est.fits_head_alone
     assert est.recommendation == "split needed"
-    assert est.verdict.because is Because.HEAD_TOO_SMALL
-    assert reason(est.verdict) == (
+    assert est.advice.because is Because.HEAD_TOO_SMALL
+    assert reason(est.advice) == (
         f"the model needs {est.local.devices[0].need_bytes / GIB:.1f} GiB and the head "
         "holds 30.0 GiB"
     )
@@ -185,7 +185,7 @@ def test_recommended_split_is_no_slower_than_any_feasible_split(models):
 def test_run_locally_when_it_fits_and_the_head_is_faster(models):
     est = estimate(models["7b"], pair(head_bw=800, rpc_bw=200), LINK, ctx=2048)
     assert est.fits_head_alone and est.recommendation == "run locally"
-    assert reason(est.verdict).startswith(
+    assert reason(est.advice).startswith(
         f"local decode {est.local.decode_tok_s:.1f} tok/s vs best split "
         f"{est.recommended.decode_tok_s:.1f} tok/s: the link"
     )
@@ -200,7 +200,7 @@ def test_split_faster_when_the_rpc_host_is_much_faster(models):
     est = estimate(models["70b"], parts, LINK, ctx=2048)
     assert est.recommendation == "split faster"
     assert est.recommended.decode_tok_s > est.local.decode_tok_s
-    assert reason(est.verdict) == (
+    assert reason(est.advice) == (
         f"split decode {est.recommended.decode_tok_s:.1f} tok/s vs local "
         f"{est.local.decode_tok_s:.1f} tok/s"
     )

@@ -147,7 +147,7 @@ SPLIT_MARGIN = 0.95
 
 
 @dataclass(frozen=True)
-class Verdict:
+class Advice:
     """The recommendation with the figures that decided it; the sentence is made from
     it by linkctl.estimate.report.reason."""
 
@@ -175,7 +175,7 @@ class Estimate:
     local: Scenario | None
     split: Scenario | None  # the default (llama.cpp) or --tensor-split split
     recommended: Scenario | None  # memory-feasible split minimising decode time
-    verdict: Verdict
+    advice: Advice
     network_per_layer_us: float
     layer_us: float  # mean decode time of one layer on the split's busiest device
     link_equiv_layers: float
@@ -202,8 +202,8 @@ class Estimate:
             "recommended_tensor_split": (
                 ",".join(map(str, self.recommended.tensor_split)) if self.recommended else None
             ),
-            "recommendation": self.verdict.recommendation.value,
-            "verdict": self.verdict.as_dict(),
+            "recommendation": self.advice.recommendation.value,
+            "verdict": self.advice.as_dict(),
             "network_per_token_us": self.split.network_us if self.split else 0.0,
             "network_per_layer_us": self.network_per_layer_us,
             "layer_us": self.layer_us,
@@ -214,12 +214,12 @@ class Estimate:
 
     @property
     def recommendation(self) -> Recommendation:
-        return self.verdict.recommendation
+        return self.advice.recommendation
 
 
-def _verdict(
+def _advice(
     local: Scenario, recommended: Scenario | None, need_bytes: int, head_free: float
-) -> Verdict:
+) -> Advice:
     if recommended is None:
         rec, why = Recommendation.RUN_LOCALLY, Because.NO_RPC_HOST
     elif not local.fits:
@@ -228,7 +228,7 @@ def _verdict(
         rec, why = Recommendation.SPLIT_FASTER, Because.SPLIT_FASTER
     else:
         rec, why = Recommendation.RUN_LOCALLY, Because.LOCAL_NOT_SLOWER
-    return Verdict(
+    return Advice(
         rec,
         why,
         need_bytes,
@@ -543,7 +543,7 @@ def estimate(
             "use a smaller quantization, a smaller --ctx, or add a device",
         )
 
-    verdict = _verdict(local, recommended, total_need, head.free_bytes)
+    advice = _advice(local, recommended, total_need, head.free_bytes)
     ref = split or local
     per_layer = ref.network_us / n_layer if ref.network_us else 0.0
     busiest = max(ref.devices, key=lambda d: len(d.layers))
@@ -574,7 +574,7 @@ def estimate(
         local=local,
         split=split,
         recommended=recommended,
-        verdict=verdict,
+        advice=advice,
         network_per_layer_us=per_layer,
         layer_us=layer_us,
         link_equiv_layers=equiv,

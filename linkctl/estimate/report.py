@@ -1,5 +1,5 @@
 """The words of `linkctl estimate`: the models (linkctl.estimate.cost, linkctl.estimate.ttft)
-return figures and a typed Verdict; every sentence about them is made here, for the
+return figures and a typed Advice; every sentence about them is made here, for the
 terminal and for the text fields of --json."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from linkctl.core.output import console
-from linkctl.estimate.cost import GIB, Because, Estimate, Verdict
+from linkctl.estimate.cost import GIB, Advice, Because, Estimate
 from linkctl.estimate.ttft import DisaggEstimate
 
 
-def reason(v: Verdict) -> str:
+def reason(v: Advice) -> str:
     """One sentence: why the estimate recommends what it does."""
     split = v.split_decode_tok_s
     match v.because:
@@ -35,7 +35,7 @@ def reason(v: Verdict) -> str:
 def as_json(est: Estimate, serving: DisaggEstimate | None) -> dict[str, Any]:
     """`estimate --json`: the model's figures, the reason sentence, the serving plans."""
     return est.as_dict() | {
-        "reason": reason(est.verdict),
+        "reason": reason(est.advice),
         "serving": serving.as_dict() if serving else None,
     }
 
@@ -114,7 +114,7 @@ def render(est: Estimate) -> None:
             f" [dim](order: {', '.join(order)})[/]"
         )
     console.print()
-    console.print(f"[bold]recommendation: {est.recommendation}[/] — {reason(est.verdict)}")
+    console.print(f"[bold]recommendation: {est.recommendation}[/] — {reason(est.advice)}")
     for w in est.warnings:
         console.print(f"[yellow]note:[/] {w}")
 

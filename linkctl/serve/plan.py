@@ -244,7 +244,7 @@ def choose_split(
         if est.recommendation is Recommendation.RUN_LOCALLY:
             from linkctl.estimate.report import reason
 
-            choice.notes.append(f"the estimate says run locally: {reason(est.verdict)}")
+            choice.notes.append(f"the estimate says run locally: {reason(est.advice)}")
     elif choice.mode == "llama":
         choice.order = order
         choice.notes.append(
