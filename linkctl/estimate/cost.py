@@ -30,6 +30,7 @@ from linkctl.estimate.features import (
     skips_masked_kv,
 )
 from linkctl.estimate.layers import llama_slot_devices, slots_from_counts, split_devices
+from linkctl.estimate.notes import Note, NoteKind, texts
 from linkctl.gguf.info import ModelInfo
 
 GIB = 1024**3
@@ -180,7 +181,7 @@ class Estimate:
     layer_us: float  # mean decode time of one layer on the split's busiest device
     link_equiv_layers: float
     per_layer_derivation: str
-    warnings: list[str]
+    warnings: list[Note]
 
     def as_dict(self) -> dict[str, Any]:
         def sc(s: Scenario | None):
@@ -209,7 +210,7 @@ class Estimate:
             "layer_us": self.layer_us,
             "link_equiv_layers": self.link_equiv_layers,
             "per_layer_derivation": self.per_layer_derivation,
-            "warnings": self.warnings,
+            "warnings": texts(self.warnings),
         }
 
     @property
@@ -493,7 +494,7 @@ def estimate(
         )
     depth = min(n_prompt, ctx) if depth is None else depth
     head = next(p for p in parts if p.role == "head")
-    warnings = list(model.warnings)
+    warnings = [Note(NoteKind.MODEL, w) for w in model.warnings]
     n_layer = model.block_count
     if n_layer < 1:
         raise InputError(f"{model.path}: no repeating blocks found", "is this a language model?")

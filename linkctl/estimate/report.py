@@ -9,6 +9,7 @@ from typing import Any
 
 from linkctl.core.output import console
 from linkctl.estimate.cost import GIB, Advice, Because, Estimate
+from linkctl.estimate.notes import NoteKind
 from linkctl.estimate.ttft import DisaggEstimate
 
 
@@ -116,7 +117,7 @@ def render(est: Estimate) -> None:
     console.print()
     console.print(f"[bold]recommendation: {est.recommendation}[/] — {reason(est.advice)}")
     for w in est.warnings:
-        console.print(f"[yellow]note:[/] {w}")
+        console.print(f"[yellow]note:[/] {w.text}")
 
 
 def render_serving(de: DisaggEstimate) -> None:
@@ -138,8 +139,8 @@ def render_serving(de: DisaggEstimate) -> None:
             markup=False,
         )
     for note in de.notes:
-        if note.startswith("disaggregated:"):
-            console.print(f"  {note}", markup=False)
+        if note.kind is NoteKind.DISAGGREGATED:
+            console.print(f"  {note.text}", markup=False)
     kv = next((p.kv_bytes for p in de.plans if p.name == "disaggregated"), 0)
     console.print(
         f"  KV cache moved: {kv / 2**20:.1f} MiB at {de.link_gbps:g} Gbit/s. "

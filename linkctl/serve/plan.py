@@ -254,7 +254,9 @@ def choose_split(
     choice.predicted_decode_tok_s = sc.decode_tok_s
     choice.predicted_prefill_tok_s = sc.prefill_tok_s
     choice.estimate_source = est.link.source if est.link else None
-    choice.notes += [w for w in est.warnings if "calibrat" in w]
+    from linkctl.estimate.notes import NoteKind
+
+    choice.notes += [w.text for w in est.warnings if w.kind is NoteKind.CALIBRATION]
     return choice
 
 
