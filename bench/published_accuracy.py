@@ -26,14 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from linkctl.estimate.catalog import load_spec
-from linkctl.estimate.devicefit import (
-    fit_units,
-    load_rows,
-    loo_fit,
-    predict_us,
-    row_model,
-    row_time_us,
-)
+from linkctl.estimate.devicefit import fit_units, loo_fit, predict_us
+from linkctl.estimate.published import load_rows, row_model, row_time_us
 
 TARGET = {"decode": 0.15, "prefill": 0.25}
 # Leave-one-out needs at least this many other rows of the row's kind on its device:

@@ -22,7 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from linkctl.estimate.catalog import fit_path, load_spec
-from linkctl.estimate.devicefit import fit_all, load_rows, render_fit_toml, terms
+from linkctl.estimate.devicefit import fit_all, render_fit_toml, terms
+from linkctl.estimate.published import load_rows
 
 
 def main() -> int:

@@ -35,7 +35,7 @@ def test_record_from_plan_and_measurements_without_llama(tmp_path):
     from linkctl.calibrate.measure import Measurements, RpcRuns
     from linkctl.calibrate.plan import CalibrationPlan, PlannedModel
     from linkctl.calibrate.solve import record
-    from linkctl.estimate.cost import decode_features
+    from linkctl.estimate.features import decode_features
     from linkctl.gguf.info import read_model
     from linkctl.gguf.tiny import TinySpec, write_tiny_llama
     from linkctl.llama.client import Timing

@@ -12,14 +12,8 @@ from conftest import REPO
 
 from linkctl.estimate.catalog import fit_path, load_catalog, load_spec
 from linkctl.estimate.cost import GIB, Participant, estimate
-from linkctl.estimate.devicefit import (
-    fit_all,
-    load_rows,
-    predict_us,
-    render_fit_toml,
-    row_model,
-    row_time_us,
-)
+from linkctl.estimate.devicefit import fit_all, predict_us, render_fit_toml
+from linkctl.estimate.published import load_rows, row_model, row_time_us
 
 
 def test_fit_script_reproduces_the_shipped_catalog(tmp_path):
@@ -89,7 +83,7 @@ def test_attention_without_flash_attention_reads_kv_once_per_query_head():
     """Without flash attention llama.cpp's mat-vec kernels broadcast K and V over the
     query heads and materialise the F32 KQ row, so a row's KV feature is n_head / n_head_kv
     times the cache bytes plus the KQ passes; with it, the cache bytes. Nothing else moves."""
-    from linkctl.estimate.cost import decode_features
+    from linkctl.estimate.features import decode_features
     from linkctl.gguf.shapes import model_info
 
     m = model_info("llama-3-70b", "Q4_K_M")  # 64 query heads, 8 KV heads, head dim 128
@@ -135,7 +129,8 @@ def test_one_row_shape_borrows_the_term_that_explains_less_of_it():
     """Rows of one shape cannot split per-block cost from bandwidth: the fit borrows from
     the family anchor the term that explains less of the row's time and fits the other,
     so the borrowed term's error moves the prediction least."""
-    from linkctl.estimate.devicefit import D_BLOCK, D_Q, Prior, fit_decode, loo_fit
+    from linkctl.estimate.devicefit import Prior, fit_decode, loo_fit
+    from linkctl.estimate.features import D_BLOCK, D_Q
 
     rows, spec = load_rows(), load_spec()
     anchor = fit_all(rows, spec)["m2-ultra"]
@@ -175,7 +170,8 @@ def test_a_metal_sliding_window_block_reads_its_window_and_the_gemma_depth0_row_
     micro-batch the cache holds (CUDA, the GB10's build, reads that whole view). Charged
     the whole view, the M2 Ultra's depth-0 gemma-3 tg32 was +20.2 % leave-one-out (its
     depth 4096-32768 rows dragged the KV rate down); now it is within the target."""
-    from linkctl.estimate.devicefit import D_KV, loo_fit, row_features
+    from linkctl.estimate.devicefit import loo_fit, row_features
+    from linkctl.estimate.features import D_KV
 
     rows, spec = load_rows(), load_spec()
 

@@ -85,7 +85,7 @@ def test_no_disaggregated_plan_when_the_model_fits_neither_host_alone(tmp_path):
     de = predict(moe, parts(), LINK, 4096, 2048, 16, "dgx")
     assert [p.name for p in de.plans] == ["local", "split"]
     assert de.threshold_tokens is None and de.winner_ttft == "split"
-    assert any("does not fit each host alone" in n for n in de.notes)
+    assert any("does not fit each host alone" in n.text for n in de.notes)
 
 
 def test_predict_refuses_bad_lengths(m70):

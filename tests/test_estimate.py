@@ -11,7 +11,6 @@ from ggufshapes import LLAMA_7B, LLAMA_70B, QWEN3_235B_A22B, write_header_only
 from linkctl.core.errors import InputError
 from linkctl.estimate.catalog import DecodeTerms, Device, PrefillTerms, load_catalog
 from linkctl.estimate.cost import (
-    DEFAULT_UBATCH,
     GIB,
     RPC_ROUND_TRIPS_PER_TOKEN,
     RPC_TOKEN_EXTRA_BYTES,
@@ -19,10 +18,10 @@ from linkctl.estimate.cost import (
     LinkFigures,
     Participant,
     estimate,
-    llama_slot_devices,
     scenario,
-    slots_from_counts,
 )
+from linkctl.estimate.features import DEFAULT_UBATCH
+from linkctl.estimate.layers import llama_slot_devices, slots_from_counts
 from linkctl.estimate.report import reason
 from linkctl.gguf.info import read_model
 
@@ -157,8 +156,8 @@ def test_recommendation_split_needed_when_head_is_too_small(models):
     est = estimate(m, pair(head_gib=30, rpc_gib=30), LINK, ctx=2048)
     assert not est.fits_head_alone
     assert est.recommendation == "split needed"
-    assert est.verdict.because is Because.HEAD_TOO_SMALL
-    assert reason(est.verdict) == (
+    assert est.advice.because is Because.HEAD_TOO_SMALL
+    assert reason(est.advice) == (
         f"the model needs {est.local.devices[0].need_bytes / GIB:.1f} GiB and the head "
         "holds 30.0 GiB"
     )
@@ -186,7 +185,7 @@ def test_recommended_split_is_no_slower_than_any_feasible_split(models):
 def test_run_locally_when_it_fits_and_the_head_is_faster(models):
     est = estimate(models["7b"], pair(head_bw=800, rpc_bw=200), LINK, ctx=2048)
     assert est.fits_head_alone and est.recommendation == "run locally"
-    assert reason(est.verdict).startswith(
+    assert reason(est.advice).startswith(
         f"local decode {est.local.decode_tok_s:.1f} tok/s vs best split "
         f"{est.recommended.decode_tok_s:.1f} tok/s: the link"
     )
@@ -201,7 +200,7 @@ def test_split_faster_when_the_rpc_host_is_much_faster(models):
     est = estimate(models["70b"], parts, LINK, ctx=2048)
     assert est.recommendation == "split faster"
     assert est.recommended.decode_tok_s > est.local.decode_tok_s
-    assert reason(est.verdict) == (
+    assert reason(est.advice) == (
         f"split decode {est.recommended.decode_tok_s:.1f} tok/s vs local "
         f"{est.local.decode_tok_s:.1f} tok/s"
     )
@@ -344,7 +343,7 @@ def test_metal_flash_attention_reads_only_a_sliding_window_blocks_window():
     on an NVIDIA one, and the estimate follows the device's family."""
     from dataclasses import replace
 
-    from linkctl.estimate.cost import skips_masked_kv
+    from linkctl.estimate.features import skips_masked_kv
     from linkctl.gguf.shapes import model_info
 
     assert skips_masked_kv("apple") and not skips_masked_kv("apple", flash_attn=False)

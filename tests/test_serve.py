@@ -193,7 +193,7 @@ def test_dry_run_argv_carries_the_recommended_split(split_env):
 def test_recommended_weights_place_layers_exactly_as_predicted(split_env):
     """llama.cpp's rule (float32 cumulative split points) applied to the weights serve
     passes gives back the per-device layer counts the estimate scored."""
-    from linkctl.estimate.cost import llama_slot_devices
+    from linkctl.estimate.layers import llama_slot_devices
 
     env, model = split_env
     plan = json.loads(_dry(env, "--model", model, "--json").stdout)

@@ -56,10 +56,10 @@ def solve_two_terms(
     """(layer_us, bandwidth GB/s) from (blocks, bytes per token, measured µs per token)
     of two or more models: t = blocks x layer_us + bytes / bandwidth, least squares on
     relative error, both terms >= 0."""
-    from linkctl.estimate.devicefit import _nnls
+    from linkctl.estimate.solve import nnls
 
     a = [[blocks / t, nbytes / t] for blocks, nbytes, t in points]
-    (c, inv_bw), _ = _nnls(a, [1.0] * len(points))
+    (c, inv_bw), _ = nnls(a, [1.0] * len(points))
     if inv_bw <= 0:
         raise CheckFailed(
             "calibration: the measured times do not rise with the bytes read "
@@ -73,7 +73,7 @@ def record(plan: CalibrationPlan, m: Measurements) -> CalibrationRecord:
     decode terms, the prefill compute and (``--rpc``) this host as an RPC device."""
     from dataclasses import asdict
 
-    from linkctl.estimate.cost import decode_features, prefill_features
+    from linkctl.estimate.features import decode_features, prefill_features
     from linkctl.gguf.info import read_model
 
     def bytes_per_token(model, run: Timing) -> float:

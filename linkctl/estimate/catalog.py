@@ -41,7 +41,7 @@ FAMILIES = ("apple", "nvidia", "cpu")
 
 @dataclass(frozen=True)
 class DecodeTerms:
-    """Time of one generated token on one device, per block it holds (see linkctl.estimate.cost):
+    """Time of one generated token on one device, per block it holds (docs/estimate-model.md):
     layer_us x blocks + moe_layer_us x MoE blocks + quantized weight bytes / bw_gbs
     + F16/BF16/F32 weight bytes / bw_f16_gbs + KV-cache bytes read / kv_bw_gbs."""
 
@@ -183,12 +183,13 @@ def load_catalog(path: Path | None = None, fit: Path | None = None) -> dict[str,
                 ) from None
             notes = {str(k): str(v) for k, v in (f.get("notes") or {}).items()}
             notes["summary"] = str(f.get("summary", "fitted"))
+        figures: dict[str, Any] = {x: float(d[x]) for x in _FIELDS}
         out[key] = Device(
             key=key,
             name=d["name"],
             kind=d["kind"],
             family=d["family"],
-            **{x: float(d[x]) for x in _FIELDS},
+            **figures,
             decode=dec,
             prefill=pre,
             sources={x: d[f"{x}_source"] for x in _FIELDS},

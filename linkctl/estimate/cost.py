@@ -1,69 +1,36 @@
 """The decode/prefill model: pure functions from a GGUF header, devices and link
-figures to an Estimate.
+figures to an Estimate (the per-device scenarios, the best split, the advice).
 
-Decode, per generated token (llama.cpp is sequential across a layer split):
-
-    t_token = sum over devices d of t_d + sum over RPC devices r holding layers of
-                  ROUND_TRIPS x RTT + bytes_crossing_r / throughput + rpc_overhead_r
-
-    t_d = layer_us x blocks_d + moe_layer_us x MoE blocks_d
-        + quantized weight bytes_d / bw + F16/BF16/F32 weight bytes_d / bw_f16
-        + KV-cache bytes_d read at the decode depth / kv_bw
-
-  blocks_d      the repeating blocks on d. Each costs a fixed time per token
-                (kernel launches, graph and synchronisation) that its bytes do not
-                explain; a MoE block more (routing, top-k, the expert dispatch), which
-                is why small expert reads reach a low share of the bandwidth.
-  weight bytes  what d reads for one token: its blocks' tensors (for a MoE only the
-                routed experts in use: expert_used/expert_count of the expert tensors,
-                plus every shared tensor) and the output head if it sits on d, split
-                by ggml type into quantized and F16/BF16/F32 bytes.
-  KV bytes      at context position `depth` (not the allocated ctx): each block reads
-                depth positions of K and V (f16), a sliding-window block at most its
-                cache, window + one micro-batch, or its window where the backend's
-                flash attention skips fully masked cache chunks (Metal; not CUDA's
-                one-sequence decode: ModelInfo.kv_positions, skips_masked_kv).
-  the terms     per device, fitted from public llama-bench results by
-                scripts/fit_devices.py (data/devices_fit.toml), or measured on the host
-                by `linkctl calibrate` (linkctl.estimate.catalog.apply_calibration).
-  ROUND_TRIPS   synchronous request/response exchanges llama.cpp's RPC client makes
-                per token per RPC device (see RPC_ROUND_TRIPS_PER_TOKEN).
-  bytes_crossing  the activations into the device (n_embd f32) and out of it
-                (n_embd f32, or n_vocab f32 logits when the output layer is there).
-  rpc_overhead  fixed per-token cost of one RPC boundary beyond the wire; 0 when not
-                calibrated.
-
-Prefill, per micro-batch of T tokens starting at context position c, on device d:
-
-    t = ubatch_layer_us x blocks + moe_ubatch_layer_us x MoE blocks
-      + 2 T x dense params / tflops (quantized; F16 weights / tflops_f16)
-      + 2 T x routed-expert params in use / moe_tflops
-      + attention FLOPs (4 x n_head x head_dim x positions attended, per block) / attn_tflops
-
-  The routed experts are their own term: a micro-batch splits into many small
-  per-expert products (T x used/count tokens each) after the routing, which reach a
-  far lower share of the device's FLOPS than one dense product over the active
-  parameters would. Only the last token's logits are computed (llama.cpp outputs
-  one row per sequence), so the output head is one token's work. Each RPC boundary
-  adds one round trip and the batch's activations each way.
-
-Layer split: llama.cpp's own rule (llama-model.cpp load_tensors): the split devices
-are the RPC servers first (in --rpc order), then the head's local GPU; the n_layer
-blocks plus the output layer are dealt out in proportion to each device's free
-memory (or --tensor-split weights); a CPU-only head takes no layers (only the
-input embeddings, which stay on the CPU).
+The terms and how they add up: docs/estimate-model.md. The work each device does is
+counted in linkctl.estimate.features, llama.cpp's layer placement in
+linkctl.estimate.layers.
 """
 
 from __future__ import annotations
 
 import itertools
-import struct
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any, Literal
 
 from linkctl.core.errors import InputError
-from linkctl.estimate.catalog import DecodeTerms, Device, PrefillTerms
+from linkctl.estimate.catalog import Device
+from linkctl.estimate.features import (
+    D_BLOCK,
+    D_F16,
+    D_KV,
+    D_MOE,
+    D_Q,
+    DEFAULT_UBATCH,
+    decode_coefs,
+    decode_features,
+    dot,
+    prefill_features,
+    prefill_us,
+    skips_masked_kv,
+)
+from linkctl.estimate.layers import llama_slot_devices, slots_from_counts, split_devices
+from linkctl.estimate.notes import Note, NoteKind, texts
 from linkctl.gguf.info import ModelInfo
 
 GIB = 1024**3
@@ -89,40 +56,7 @@ RPC_TOKEN_EXTRA_BYTES = 6144
 # llama.cpp compute buffer and allocator slack per device (assumption): the largest
 # share is the logits buffer, n_vocab x n_ubatch x 4 bytes, on the output device.
 FIXED_OVERHEAD_BYTES = 256 * 1024**2
-DEFAULT_UBATCH = 512
 DEFAULT_PROMPT = 512
-
-
-def skips_masked_kv(family: str, flash_attn: bool = True) -> bool:
-    """Whether a backend's flash attention skips the KV-cache chunks the mask fully masks,
-    so that a sliding-window block reads about its window, not its whole cache view
-    (ModelInfo.kv_positions). Read in ggml's source as llama.cpp ships it (ggml-org/ggml
-    mirrors llama.cpp's ggml/ tree, each commit naming the llama.cpp PR):
-
-    - Metal (family "apple"): yes. The decode kernel (kernel_flash_attn_ext_vec, used
-      while the batch is < 20 tokens: ggml-metal-ops.cpp ggml_metal_op_flash_attn_ext_use_vec)
-      loads the mask of each 32-cell chunk (C = OP_FLASH_ATTN_EXT_VEC_NCPSG) and, before
-      any K or V read, ``// skip -INF blocks`` ``if (simd_max(sm[tiisg]) <= -MAXHALF)
-      continue;`` (https://github.com/ggml-org/ggml/blob/e9e0035d477923a3e91d344768e6d4bc1a55a564/src/ggml-metal/ggml-metal.metal#L6376-L6379,
-      llama.cpp #19369, 5 Feb 2026, next to the M2 Ultra rows' build b7948; the check
-      dates from flash attention's introduction, llama.cpp #5021, Apr 2024, and is there
-      through Aug 2026). The prompt kernel skips the (8 query x 64 cell) blocks that
-      kernel_flash_attn_ext_blk marks fully masked (``if (blk[ic0] == 0) ... continue;``,
-      llama.cpp #16372, Oct 2025; before it an inline ``if (smax == -INFINITY) continue;``).
-    - CUDA (family "nvidia"): no, for one sequence. launch_fattn scans the mask only
-      ``if (mask && K->ne[1] % FATTN_KQ_STRIDE == 0 && (Q->ne[1] >= 1024 || Q->ne[3] > 1))``
-      (https://github.com/ggml-org/ggml/blob/09aa758381718f7731c148238574a7e169001f13/src/ggml-cuda/fattn-common.cuh#L876-L879,
-      31 Oct 2025, as in the GB10 rows' build b6918 of 2 Nov; unchanged through Aug 2026),
-      and then only to cut the fully masked tiles at the end of the view
-      (flash_attn_mask_to_KV_max);
-      for a decode token the vector kernel loops ``k_VKQ_0 < k_VKQ_max`` with
-      ``k_VKQ_max = KV_max ? ... : ne11``: every cell of the view, masked or not
-      (fattn-vec.cuh L239-L243 there). llama.cpp #14924 (Jul 2025) put this in place of
-      the vector kernel's own skip of fully masked slices (#13584, May 2025); no row in
-      the data is from that window.
-    - Without flash attention (either backend) the KQ product runs over the whole view.
-    """
-    return flash_attn and family == "apple"
 
 
 Role = Literal["head", "rpc"]
@@ -214,14 +148,14 @@ SPLIT_MARGIN = 0.95
 
 
 @dataclass(frozen=True)
-class Verdict:
+class Advice:
     """The recommendation with the figures that decided it; the sentence is made from
     it by linkctl.estimate.report.reason."""
 
     recommendation: Recommendation
     because: Because
     need_bytes: int  # the model (weights + KV cache at ctx) on one device
-    head_free_bytes: int
+    head_free_bytes: float  # the head's free memory (fractional: GiB x usable share)
     local_decode_tok_s: float
     split_decode_tok_s: float | None  # the recommended split; None without RPC hosts
 
@@ -242,12 +176,12 @@ class Estimate:
     local: Scenario | None
     split: Scenario | None  # the default (llama.cpp) or --tensor-split split
     recommended: Scenario | None  # memory-feasible split minimising decode time
-    verdict: Verdict
+    advice: Advice
     network_per_layer_us: float
     layer_us: float  # mean decode time of one layer on the split's busiest device
     link_equiv_layers: float
     per_layer_derivation: str
-    warnings: list[str]
+    warnings: list[Note]
 
     def as_dict(self) -> dict[str, Any]:
         def sc(s: Scenario | None):
@@ -269,27 +203,24 @@ class Estimate:
             "recommended_tensor_split": (
                 ",".join(map(str, self.recommended.tensor_split)) if self.recommended else None
             ),
-            "recommendation": self.verdict.recommendation.value,
-            "verdict": self.verdict.as_dict(),
+            "recommendation": self.advice.recommendation.value,
+            "verdict": self.advice.as_dict(),
             "network_per_token_us": self.split.network_us if self.split else 0.0,
             "network_per_layer_us": self.network_per_layer_us,
             "layer_us": self.layer_us,
             "link_equiv_layers": self.link_equiv_layers,
             "per_layer_derivation": self.per_layer_derivation,
-            "warnings": self.warnings,
+            "warnings": texts(self.warnings),
         }
 
     @property
     def recommendation(self) -> Recommendation:
-        return self.verdict.recommendation
+        return self.advice.recommendation
 
 
-# -- llama.cpp's layer assignment --------------------------------------------------
-
-
-def _verdict(
-    local: Scenario, recommended: Scenario | None, need_bytes: int, head_free: int
-) -> Verdict:
+def _advice(
+    local: Scenario, recommended: Scenario | None, need_bytes: int, head_free: float
+) -> Advice:
     if recommended is None:
         rec, why = Recommendation.RUN_LOCALLY, Because.NO_RPC_HOST
     elif not local.fits:
@@ -298,7 +229,7 @@ def _verdict(
         rec, why = Recommendation.SPLIT_FASTER, Because.SPLIT_FASTER
     else:
         rec, why = Recommendation.RUN_LOCALLY, Because.LOCAL_NOT_SLOWER
-    return Verdict(
+    return Advice(
         rec,
         why,
         need_bytes,
@@ -306,158 +237,6 @@ def _verdict(
         local.decode_tok_s,
         recommended.decode_tok_s if recommended else None,
     )
-
-
-def _f32(x: float) -> float:
-    return struct.unpack("f", struct.pack("f", x))[0]
-
-
-def llama_slot_devices(n_layer: int, weights: list[float], ngl: int = 99) -> list[int | None]:
-    """Device index (None = CPU) of each slot 0..n_layer (slot n_layer = output layer),
-    as llama.cpp's load_tensors computes it (float32 cumulative split points)."""
-    n = len(weights)
-    if n == 0 or ngl <= 0:
-        return [None] * (n_layer + 1)
-    splits, acc = [], _f32(0.0)
-    for w in weights:
-        acc = _f32(acc + _f32(w))
-        splits.append(acc)
-    if acc <= 0:
-        raise InputError("--tensor-split weights are all zero", "give at least one weight > 0")
-    splits = [_f32(s / acc) for s in splits]
-    i_gpu_start = max(n_layer + 1 - ngl, 0)
-    act = min(ngl, n_layer + 1)
-    out: list[int | None] = []
-    for il in range(n_layer + 1):
-        if il < i_gpu_start or il - i_gpu_start >= act:
-            out.append(None)
-            continue
-        x = _f32((il - i_gpu_start) / act)
-        idx = next((i for i, s in enumerate(splits) if s > x), n - 1)  # upper_bound
-        out.append(idx)
-    return out
-
-
-def slots_from_counts(counts: list[int]) -> list[int | None]:
-    return [i for i, c in enumerate(counts) for _ in range(c)]
-
-
-# -- the device terms ----------------------------------------------------------------
-#
-# Work is a vector of features, time is the dot product with the device's
-# coefficients, so scripts/fit_devices.py fits exactly the model the estimate runs.
-
-DECODE_FEATURES = ("blocks", "moe_blocks", "quant_bytes", "f16_bytes", "kv_bytes")
-PREFILL_FEATURES = (
-    "ubatch_blocks",
-    "moe_ubatch_blocks",
-    "dense_quant_flops",
-    "dense_f16_flops",
-    "moe_flops",
-    "attn_flops",
-)
-
-
-def decode_coefs(t: DecodeTerms) -> list[float]:
-    """µs per unit of each DECODE_FEATURES entry."""
-    return [
-        t.layer_us,
-        t.moe_layer_us,
-        1e6 / (t.bw_gbs * 1e9),
-        1e6 / (t.bw_f16_gbs * 1e9),
-        1e6 / (t.kv_bw_gbs * 1e9),
-    ]
-
-
-def decode_terms_from_coefs(c: list[float]) -> DecodeTerms:
-    return DecodeTerms(c[0], c[1], 1e-3 / c[2], 1e-3 / c[3], 1e-3 / c[4])
-
-
-def prefill_coefs(t: PrefillTerms) -> list[float]:
-    return [
-        t.ubatch_layer_us,
-        t.moe_ubatch_layer_us,
-        1e6 / (t.tflops * 1e12),
-        1e6 / (t.tflops_f16 * 1e12),
-        1e6 / (t.moe_tflops * 1e12),
-        1e6 / (t.attn_tflops * 1e12),
-    ]
-
-
-def prefill_terms_from_coefs(c: list[float]) -> PrefillTerms:
-    return PrefillTerms(c[0], c[1], 1e-6 / c[2], 1e-6 / c[3], 1e-6 / c[4], 1e-6 / c[5])
-
-
-def dot(coefs: list[float], feats: list[float]) -> float:
-    return sum(a * b for a, b in zip(coefs, feats, strict=True))
-
-
-def decode_features(
-    model: ModelInfo,
-    layers: list[int],
-    holds_output: bool,
-    depth: float,
-    ubatch: int = DEFAULT_UBATCH,
-    flash_attn: bool = True,
-    skips_masked: bool = False,
-) -> list[float]:
-    """DECODE_FEATURES for one token on a device holding ``layers`` (+ the output head);
-    ``ubatch`` sizes a sliding-window block's cache and ``skips_masked`` says whether the
-    backend reads only its window of it (ModelInfo.kv_positions, skips_masked_kv); the
-    KV feature is the attention's bytes, which depend on the flash-attention path
-    (ModelInfo.attn_bytes_per_position; llama-server defaults to it)."""
-    st = model.block_stats
-    q = sum(st[il].quant_bytes for il in layers)
-    f = sum(st[il].f16_bytes for il in layers)
-    kv = model.attn_bytes_per_position(flash_attn) * sum(
-        model.kv_positions(il, depth, ubatch, skips_masked) for il in layers
-    )
-    moe = sum(1 for il in layers if st[il].moe)
-    if holds_output:
-        oq, of = model.output_split
-        q, f = q + oq, f + of
-    return [float(len(layers)), float(moe), q, f, kv]
-
-
-def prefill_features(
-    model: ModelInfo,
-    layers: list[int],
-    holds_output: bool,
-    n_prompt: int,
-    depth: float = 0,
-    ubatch: int = DEFAULT_UBATCH,
-    skips_masked: bool = False,
-) -> list[float]:
-    """PREFILL_FEATURES summed over the micro-batches of an ``n_prompt``-token prompt
-    that starts at context position ``depth`` (``skips_masked``: see decode_features)."""
-    st = model.block_stats
-    dq = sum(st[il].dense_quant_flops for il in layers)
-    df = sum(st[il].dense_f16_flops for il in layers)
-    mx = sum(st[il].expert_flops for il in layers)
-    moe_blocks = sum(1 for il in layers if st[il].moe)
-    per_pos = 4.0 * model.head_count * (model.key_length or 1)
-    n_mb = max(1, -(-n_prompt // ubatch))
-    out = [0.0] * len(PREFILL_FEATURES)
-    for b in range(n_mb):
-        tokens = min(ubatch, n_prompt - b * ubatch)
-        mid = depth + b * ubatch + tokens / 2  # mean position attended in this micro-batch
-        attn = per_pos * sum(model.kv_positions(il, mid, ubatch, skips_masked) for il in layers)
-        out[0] += len(layers)
-        out[1] += moe_blocks
-        out[2] += tokens * dq
-        out[3] += tokens * df
-        out[4] += tokens * mx
-        out[5] += tokens * attn
-    if holds_output:  # llama.cpp computes logits for the last token of the prompt only
-        out[2] += 2.0 * model.output_params
-    return out
-
-
-def prefill_us(dev: Device, feats: list[float]) -> float:
-    return dot(prefill_coefs(dev.prefill), feats)
-
-
-# -- the model ---------------------------------------------------------------------
 
 
 def _kv_alloc(model: ModelInfo, layers: list[int], ctx: int) -> int:
@@ -490,8 +269,8 @@ def _device_load(
     skip = skips_masked_kv(p.device.family)
     feats = decode_features(model, layers, holds_output, depth, skips_masked=skip)
     c = decode_coefs(p.device.decode)
-    fixed = c[0] * feats[0] + c[1] * feats[1]
-    w_us = c[2] * feats[2] + c[3] * feats[3]
+    fixed = c[D_BLOCK] * feats[D_BLOCK] + c[D_MOE] * feats[D_MOE]
+    w_us = c[D_Q] * feats[D_Q] + c[D_F16] * feats[D_F16]
     return DeviceLoad(
         host=p.host,
         device=p.device.key,
@@ -503,21 +282,14 @@ def _device_load(
         need_bytes=need,
         free_bytes=p.free_bytes,
         fits=need <= p.free_bytes,
-        read_bytes_per_token=int(feats[2] + feats[3] + feats[4]),
+        read_bytes_per_token=int(feats[D_Q] + feats[D_F16] + feats[D_KV]),
         compute_us=fixed + w_us,
-        kv_read_us=c[4] * feats[4],
+        kv_read_us=c[D_KV] * feats[D_KV],
         bandwidth_gbs=p.device.decode.bw_gbs,
         figures_source=p.device.figures_source,
         layer_fixed_us=fixed,
         weights_us=w_us,
     )
-
-
-def split_devices(parts: list[Participant]) -> list[Participant]:
-    """llama.cpp's split device order: RPC servers first, then the head's GPU."""
-    rpc = [p for p in parts if p.role == "rpc"]
-    head = [p for p in parts if p.role == "head" and p.device.kind == "gpu"]
-    return rpc + head
 
 
 def _prefill_tok_s(
@@ -630,7 +402,7 @@ def scenario(
         for d in loads:
             if d.layers:
                 dev = by_host[d.host].device
-                c = decode_coefs(dev.decode)[4]
+                c = decode_coefs(dev.decode)[D_KV]
                 skip = skips_masked_kv(dev.family)
                 kv = model.kv_bytes_per_token_per_layer * sum(
                     model.kv_positions(il, pos, DEFAULT_UBATCH, skip) for il in d.layers
@@ -722,7 +494,7 @@ def estimate(
         )
     depth = min(n_prompt, ctx) if depth is None else depth
     head = next(p for p in parts if p.role == "head")
-    warnings = list(model.warnings)
+    warnings = [Note(NoteKind.MODEL, w) for w in model.warnings]
     n_layer = model.block_count
     if n_layer < 1:
         raise InputError(f"{model.path}: no repeating blocks found", "is this a language model?")
@@ -772,7 +544,7 @@ def estimate(
             "use a smaller quantization, a smaller --ctx, or add a device",
         )
 
-    verdict = _verdict(local, recommended, total_need, head.free_bytes)
+    advice = _advice(local, recommended, total_need, head.free_bytes)
     ref = split or local
     per_layer = ref.network_us / n_layer if ref.network_us else 0.0
     busiest = max(ref.devices, key=lambda d: len(d.layers))
@@ -803,7 +575,7 @@ def estimate(
         local=local,
         split=split,
         recommended=recommended,
-        verdict=verdict,
+        advice=advice,
         network_per_layer_us=per_layer,
         layer_us=layer_us,
         link_equiv_layers=equiv,

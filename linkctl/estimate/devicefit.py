@@ -1,7 +1,7 @@
 """Fit each catalog device's decode and prefill terms to public llama-bench rows.
 
 The rows (data/published_bench.toml) go through the estimator's own feature code
-(linkctl.estimate.cost.decode_features / prefill_features on a linkctl.gguf.shapes model),
+(linkctl.estimate.features.decode_features / prefill_features on a linkctl.gguf.shapes model),
 so a row's predicted time is exactly what `linkctl estimate` computes for that
 model on that device. Time is linear in the terms' coefficients (µs per block,
 µs per byte, µs per FLOP), so each device is a non-negative least-squares problem
@@ -24,17 +24,31 @@ catalog's spec x prior efficiency.
 
 from __future__ import annotations
 
-import itertools
-import tomllib
 from dataclasses import dataclass, field
 from functools import cache
-from importlib import resources
-from pathlib import Path
 from typing import Any
 
 from linkctl.core.errors import InputError
-from linkctl.estimate.catalog import DecodeTerms, PrefillTerms, load_spec, prior_terms
-from linkctl.estimate.cost import (
+from linkctl.estimate.catalog import (
+    DECODE_FIELDS,
+    PREFILL_FIELDS,
+    DecodeTerms,
+    PrefillTerms,
+    load_spec,
+    prior_terms,
+)
+from linkctl.estimate.features import (
+    D_BLOCK,
+    D_F16,
+    D_KV,
+    D_MOE,
+    D_Q,
+    P_ATTN,
+    P_F16,
+    P_MOE,
+    P_MOE_UB,
+    P_Q,
+    P_UB,
     decode_coefs,
     decode_features,
     decode_terms_from_coefs,
@@ -44,108 +58,11 @@ from linkctl.estimate.cost import (
     prefill_terms_from_coefs,
     skips_masked_kv,
 )
-from linkctl.gguf.info import ModelInfo
+from linkctl.estimate.published import Row, row_model, row_time_us
+from linkctl.estimate.solve import Sample, full_rank, solve_tied
 
-# Decode coefficient indices (DECODE_FEATURES) and prefill ones (PREFILL_FEATURES).
-D_BLOCK, D_MOE, D_Q, D_F16, D_KV = range(5)
-P_UB, P_MOE_UB, P_Q, P_F16, P_MOE, P_ATTN = range(6)
 KV_DEPTH_MIN = 2048  # a decode row this deep (mean position) pins the KV bandwidth
 F16_SHARE_MIN = 0.5  # a row whose weight bytes are mostly F16 pins the F16 terms
-
-
-def data_path() -> Path:
-    return Path(str(resources.files("linkctl") / "data" / "published_bench.toml"))
-
-
-@dataclass(frozen=True)
-class Row:
-    index: int
-    device: str
-    model: str
-    quant: str
-    test: str  # ppN / tgN
-    depth: int
-    tok_s: float
-    ubatch: int
-    size_gib: float
-    source: str
-    url: str
-    date: str
-    read: str
-    params_b: float | None = None
-    exclude: str | None = None
-    # The build a row's source ran, where it is not the current one its device's other
-    # rows ran (source `fit_group`): such rows are fitted as their own unit, never mixed
-    # into the device's catalog terms (one set of terms cannot be two builds).
-    group: str = ""
-    # Whether the source's build ran flash attention (llama-bench -fa): without it the
-    # decode attention reads K and V once per query head (ModelInfo.attn_bytes_per_position).
-    flash_attn: bool = True
-
-    @property
-    def kind(self) -> str:
-        return "decode" if self.test.startswith("tg") else "prefill"
-
-    @property
-    def n(self) -> int:
-        return int(self.test[2:])
-
-    @property
-    def label(self) -> str:
-        d = f" @d{self.depth}" if self.depth else ""
-        return f"{self.device} {self.model} {self.quant.split('+')[0]} {self.test}{d}"
-
-
-def load_rows(path: Path | None = None) -> list[Row]:
-    path = path or data_path()
-    try:
-        data = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        raise InputError(f"benchmark data {path}: {e}", "restore the file") from None
-    rows: list[Row] = []
-    for src in data.get("source", []):
-        if not isinstance(src.get("flash_attn"), bool):
-            raise InputError(
-                f"{path}: source {src.get('id')!r}: flash_attn {src.get('flash_attn')!r}",
-                "state whether its build ran flash attention (llama-bench -fa): true or false",
-            )
-        for r in src.get("rows", []):
-            test = str(r["test"])
-            if not (test[:2] in ("pp", "tg") and test[2:].isdigit()):
-                raise InputError(f"{path}: row {r}: test {test!r}", "write ppN or tgN")
-            rows.append(
-                Row(
-                    index=len(rows),
-                    device=r.get("device", src.get("device")),
-                    model=r["model"],
-                    quant=r["quant"],
-                    test=test,
-                    depth=int(r.get("depth", 0)),
-                    tok_s=float(r["tok_s"]),
-                    ubatch=int(r.get("ubatch", src.get("ubatch", 512))),
-                    size_gib=float(r["size_gib"]),
-                    params_b=r.get("params_b"),
-                    source=src["id"],
-                    url=src["url"],
-                    date=str(src.get("date", "")),
-                    read=src.get("read", "source"),
-                    exclude=r.get("exclude"),
-                    group=str(src.get("fit_group", "")),
-                    flash_attn=src["flash_attn"],
-                )
-            )
-    return rows
-
-
-@cache
-def _model(key: str, quant: str) -> ModelInfo:
-    from linkctl.gguf.shapes import model_info
-
-    return model_info(key, quant)
-
-
-def row_model(row: Row) -> ModelInfo:
-    return _model(row.model, row.quant)
 
 
 def row_features(row: Row) -> list[float]:
@@ -155,7 +72,7 @@ def row_features(row: Row) -> list[float]:
     layers = list(range(m.block_count))
     # Whether the row's backend skips the cache chunks the mask fully masks (Metal's flash
     # attention does, CUDA's single-sequence decode does not): a sliding-window block then
-    # reads its window, not its whole cache (linkctl.estimate.cost.skips_masked_kv).
+    # reads its window, not its whole cache (linkctl.estimate.features.skips_masked_kv).
     skip = skips_masked_kv(_family(row.device), row.flash_attn)
     if row.kind == "decode":
         depth = row.depth + row.n / 2
@@ -169,42 +86,11 @@ def _family(device: str) -> str:
     return str(load_spec().get(device, {}).get("family", ""))
 
 
-def row_time_us(row: Row) -> float:
-    """The published time: per generated token (tg) or per whole prompt (pp)."""
-    return 1e6 / row.tok_s if row.kind == "decode" else row.n / row.tok_s * 1e6
-
-
 def _f16_heavy(row: Row) -> bool:
     f = row_features(row)
     if row.kind == "decode":
         return f[D_F16] > F16_SHARE_MIN * (f[D_Q] + f[D_F16])
     return f[P_F16] > F16_SHARE_MIN * (f[P_Q] + f[P_F16])
-
-
-# -- non-negative least squares on relative error --------------------------------------
-
-
-def _nnls(a: list[list[float]], b: list[float]) -> tuple[list[float], float]:
-    """min |A x - b|^2 over x >= 0, exactly, by trying every support set (<= 6 columns)."""
-    import numpy as np
-
-    A, B = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
-    n = A.shape[1]
-    scale = np.where(np.abs(A).max(axis=0) > 0, np.abs(A).max(axis=0), 1.0)
-    As = A / scale
-    best, best_x = float("inf"), np.zeros(n)
-    for k in range(1, n + 1):
-        for sup in itertools.combinations(range(n), k):
-            cols = list(sup)
-            x, *_ = np.linalg.lstsq(As[:, cols], B, rcond=None)
-            if (x < 0).any():
-                continue
-            full = np.zeros(n)
-            full[cols] = x
-            r = float(((As @ full - B) ** 2).sum())
-            if r < best - 1e-15:
-                best, best_x = r, full
-    return [float(v) for v in best_x / scale], best
 
 
 @dataclass
@@ -228,56 +114,8 @@ class DeviceFit:
     n_prefill: int = 0
 
 
-def _solve(
-    rows: list[Row],
-    n_coef: int,
-    ties: dict[int, tuple[int, float]],
-    fixed: dict[int, float],
-) -> list[float]:
-    """Fit the free coefficients; a tied one is ratio x its partner, a fixed one is given."""
-    free = [i for i in range(n_coef) if i not in ties and i not in fixed]
-    a, b = [], []
-    for r in rows:
-        f = row_features(r)
-        t = row_time_us(r)
-        known = sum(fixed[i] * f[i] for i in fixed)
-        col = []
-        for i in free:
-            v = f[i] + sum(k * f[j] for j, (p, k) in ties.items() if p == i)
-            col.append(v / t)
-        a.append(col)
-        b.append(1.0 - known / t)
-    x, _ = _nnls(a, b) if free else ([], 0.0)
-    c = [0.0] * n_coef
-    for i, v in fixed.items():
-        c[i] = v
-    for i, v in zip(free, x, strict=True):
-        c[i] = v
-    for j, (p, k) in ties.items():
-        c[j] = k * c[p]
-    return c
-
-
-def _full_rank(rows: list[Row], n_coef: int, ties: dict, fixed: dict) -> bool:
-    """Whether the rows separate every free term (no two free columns collinear, e.g. a
-    per-block cost and a bandwidth when every row is the same model shape)."""
-    import numpy as np
-
-    free = [i for i in range(n_coef) if i not in ties and i not in fixed]
-    if not free:
-        return True
-    a = []
-    for r in rows:
-        f = row_features(r)
-        t = row_time_us(r)
-        a.append([(f[i] + sum(k * f[j] for j, (p, k) in ties.items() if p == i)) / t for i in free])
-    A = np.asarray(a, dtype=float)
-    scale = np.abs(A).max(axis=0)
-    A = A / np.where(scale > 0, scale, 1.0)
-    # Near-collinear counts as collinear: an F16 row's few quantized FLOPS (its
-    # quantized output head) must not be what "separates" a per-micro-batch cost.
-    sv = np.linalg.svd(A, compute_uv=False)
-    return bool(len(sv) == len(free) and sv.min() > 1e-3 * sv.max())
+def _samples(rows: list[Row]) -> list[Sample]:
+    return [(row_features(r), row_time_us(r)) for r in rows]
 
 
 def _solve_pinned(
@@ -296,7 +134,7 @@ def _solve_pinned(
     tied to it) and the rest refitted around it, not added on top of a fit that spent
     its time elsewhere. Ratios carry across a family better than absolute rates."""
     main = throughput[0]
-    c = _solve(rows, n_coef, ties, fixed)
+    c = solve_tied(_samples(rows), n_coef, ties, fixed)
     for _ in throughput:
         bad = [i for i in throughput if c[i] <= 0 and i not in fixed and i not in ties]
         if not bad:
@@ -315,7 +153,7 @@ def _solve_pinned(
                     del ties[j]
                     fixed[j] = k * prior[i]
             notes[names[i]] = f"assumed (not pinned by the rows): {src}"
-        c = _solve(rows, n_coef, ties, fixed)
+        c = solve_tied(_samples(rows), n_coef, ties, fixed)
     return c
 
 
@@ -360,7 +198,7 @@ def fit_decode(rows: list[Row], prior: Prior) -> tuple[list[float], dict[str, st
         if i not in ties:
             partner = D_BLOCK if i == D_MOE else D_Q
             ties[i] = (partner, prior.ratio(pc, i, partner, 1.0 if i != D_MOE else 0.0))
-            notes[DECODE_NAMES[i]] = f"assumed (too few rows): the ratio in {src}"
+            notes[DECODE_FIELDS[i]] = f"assumed (too few rows): the ratio in {src}"
     if 5 - len(ties) - len(fixed) > n and _block_share(rows[0], pc) >= 0.5:
         # One row shape cannot split per-block cost from bandwidth: borrow from the
         # family anchor the term that explains less of its time, and fit the other,
@@ -369,20 +207,20 @@ def fit_decode(rows: list[Row], prior: Prior) -> tuple[list[float], dict[str, st
         # anchor reaches, unless that leaves no per-block cost (then the bandwidth
         # alone explains the row); bandwidth explains more (a large model): the
         # anchor's per-block cost, below.
-        c = _solve(rows, 5, ties, {D_Q: pc[D_Q]})
+        c = solve_tied(_samples(rows), 5, ties, {D_Q: pc[D_Q]})
         if c[D_BLOCK] > 0:
             notes["bw_gbs"] = f"assumed (too few rows): the spec share of {src}"
             return c, notes
         fixed[D_BLOCK] = 0.0
         notes["layer_us"] = "assumed (too few rows): 0, the bandwidth alone explains the row"
-    if (5 - len(ties) - len(fixed) > n or not _full_rank(rows, 5, ties, fixed)) and (
+    if (5 - len(ties) - len(fixed) > n or not full_rank(_samples(rows), 5, ties, fixed)) and (
         D_BLOCK not in fixed
     ):
         # Every quantized row (or every F16 row) is one model shape: per-block cost and
         # bandwidth are collinear. Take the family anchor's per-block cost, fit the rest.
         _pin(fixed, ties, pc, D_BLOCK, D_MOE)
         notes["layer_us"] = f"assumed (rows do not separate it from bandwidth): {src}"
-    c = _solve_pinned(rows, 5, ties, fixed, (D_Q, D_F16, D_KV), pc, DECODE_NAMES, notes, src)
+    c = _solve_pinned(rows, 5, ties, fixed, (D_Q, D_F16, D_KV), pc, DECODE_FIELDS, notes, src)
     return c, notes
 
 
@@ -420,11 +258,15 @@ def fit_prefill(rows: list[Row], prior: Prior) -> tuple[list[float], dict[str, s
         if i not in ties:
             partner = P_UB if i == P_MOE_UB else P_Q
             ties[i] = (partner, prior.ratio(pc, i, partner, 0.0 if i == P_MOE_UB else 1.0))
-            notes[PREFILL_NAMES[i]] = f"assumed (too few rows): the ratio in {src}"
+            notes[PREFILL_FIELDS[i]] = f"assumed (too few rows): the ratio in {src}"
     if 6 - len(ties) - len(fixed) > n:
         _pin(fixed, ties, pc, P_UB, P_MOE_UB)
         notes["ubatch_layer_us"] = f"assumed (too few rows): {src}"
-    if not _full_rank(rows, 6, ties, fixed) and P_MOE_UB not in ties and P_MOE_UB not in fixed:
+    if (
+        not full_rank(_samples(rows), 6, ties, fixed)
+        and P_MOE_UB not in ties
+        and P_MOE_UB not in fixed
+    ):
         # Every MoE prompt a whole number of micro-batches: the MoE per-micro-batch cost
         # and MoE throughput are collinear. Tie the former to the dense one (anchor ratio).
         ties[P_MOE_UB] = (P_UB, prior.ratio(pc, P_MOE_UB, P_UB, 0.0))
@@ -435,24 +277,13 @@ def fit_prefill(rows: list[Row], prior: Prior) -> tuple[list[float], dict[str, s
         # cannot tell a per-micro-batch cost from a FLOPS rate.
         _pin(fixed, ties, pc, P_UB, P_MOE_UB)
         notes["ubatch_layer_us"] = f"assumed (one model: rows do not separate it from FLOPS): {src}"
-    if not _full_rank(rows, 6, ties, fixed) and P_UB not in fixed:
+    if not full_rank(_samples(rows), 6, ties, fixed) and P_UB not in fixed:
         _pin(fixed, ties, pc, P_UB, P_MOE_UB)
         notes["ubatch_layer_us"] = f"assumed (rows do not separate it from FLOPS): {src}"
     c = _solve_pinned(
-        rows, 6, ties, fixed, (P_Q, P_F16, P_MOE, P_ATTN), pc, PREFILL_NAMES, notes, src
+        rows, 6, ties, fixed, (P_Q, P_F16, P_MOE, P_ATTN), pc, PREFILL_FIELDS, notes, src
     )
     return c, notes
-
-
-DECODE_NAMES = ("layer_us", "moe_layer_us", "bw_gbs", "bw_f16_gbs", "kv_bw_gbs")
-PREFILL_NAMES = (
-    "ubatch_layer_us",
-    "moe_ubatch_layer_us",
-    "tflops",
-    "tflops_f16",
-    "moe_tflops",
-    "attn_tflops",
-)
 
 
 def _scaled(coefs: list[float], byte_idx: tuple[int, ...], k: float) -> list[float]:
@@ -550,8 +381,8 @@ def _fit_catalog(
     for fam in sorted({d["family"] for d in spec.values()}):
         members = [k for k in spec if spec[k]["family"] == fam and by_dev[k]]
         if members:
-            a = max(members, key=lambda k: (len(by_dev[k]), k))
-            anchors[fam] = (a, fit_device(a, spec, by_dev[a], {}))
+            top = max(members, key=lambda k: (len(by_dev[k]), k))
+            anchors[fam] = (top, fit_device(top, spec, by_dev[top], {}))
     out = {}
     for k in spec:
         a = anchors.get(spec[k]["family"])
@@ -610,9 +441,9 @@ def render_fit_toml(fits: dict[str, DeviceFit], rows: list[Row]) -> str:
         if srcs:
             lines.append("sources = [" + ", ".join(f'"{s}"' for s in srcs) + "]")
         lines.append(f"[{key}.decode]")
-        lines += [f"{n} = {_fmt(getattr(dec, n))}" for n in DECODE_NAMES]
+        lines += [f"{n} = {_fmt(getattr(dec, n))}" for n in DECODE_FIELDS]
         lines.append(f"[{key}.prefill]")
-        lines += [f"{n} = {_fmt(getattr(pre, n))}" for n in PREFILL_NAMES]
+        lines += [f"{n} = {_fmt(getattr(pre, n))}" for n in PREFILL_FIELDS]
         if f.notes:
             lines.append(f"[{key}.notes]")
             lines += [f'{n} = "{v}"' for n, v in f.notes.items()]

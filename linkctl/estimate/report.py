@@ -1,5 +1,5 @@
 """The words of `linkctl estimate`: the models (linkctl.estimate.cost, linkctl.estimate.ttft)
-return figures and a typed Verdict; every sentence about them is made here, for the
+return figures and a typed Advice; every sentence about them is made here, for the
 terminal and for the text fields of --json."""
 
 from __future__ import annotations
@@ -8,11 +8,12 @@ from pathlib import Path
 from typing import Any
 
 from linkctl.core.output import console
-from linkctl.estimate.cost import GIB, Because, Estimate, Verdict
+from linkctl.estimate.cost import GIB, Advice, Because, Estimate
+from linkctl.estimate.notes import NoteKind
 from linkctl.estimate.ttft import DisaggEstimate
 
 
-def reason(v: Verdict) -> str:
+def reason(v: Advice) -> str:
     """One sentence: why the estimate recommends what it does."""
     split = v.split_decode_tok_s
     match v.because:
@@ -35,7 +36,7 @@ def reason(v: Verdict) -> str:
 def as_json(est: Estimate, serving: DisaggEstimate | None) -> dict[str, Any]:
     """`estimate --json`: the model's figures, the reason sentence, the serving plans."""
     return est.as_dict() | {
-        "reason": reason(est.verdict),
+        "reason": reason(est.advice),
         "serving": serving.as_dict() if serving else None,
     }
 
@@ -88,11 +89,12 @@ def render(est: Estimate) -> None:
     for label, sc in rows:
         console.print(f"{label:22}{sc.decode_tok_s_depth0:>14.1f}{sc.decode_tok_s_full_ctx:>18.1f}")
     if est.split:
-        s = est.split
+        s, link = est.split, est.link
+        assert link is not None  # run_estimate passes link figures when there is an rpc host
         console.print()
         console.print(
             f"network per token: {s.network_us:.0f} µs = {s.round_trips_per_token} round trip(s) "
-            f"x {est.link.rtt_us:.0f} µs + {s.bytes_crossing_per_token / 1024:.1f} KiB transfer "
+            f"x {link.rtt_us:.0f} µs + {s.bytes_crossing_per_token / 1024:.1f} KiB transfer "
             f"({s.network_transfer_us:.0f} µs)"
             + (f" + RPC overhead {s.network_overhead_us:.0f} µs" if s.network_overhead_us else "")
         )
@@ -113,9 +115,9 @@ def render(est: Estimate) -> None:
             f" [dim](order: {', '.join(order)})[/]"
         )
     console.print()
-    console.print(f"[bold]recommendation: {est.recommendation}[/] — {reason(est.verdict)}")
+    console.print(f"[bold]recommendation: {est.recommendation}[/] — {reason(est.advice)}")
     for w in est.warnings:
-        console.print(f"[yellow]note:[/] {w}")
+        console.print(f"[yellow]note:[/] {w.text}")
 
 
 def render_serving(de: DisaggEstimate) -> None:
@@ -137,8 +139,8 @@ def render_serving(de: DisaggEstimate) -> None:
             markup=False,
         )
     for note in de.notes:
-        if note.startswith("disaggregated:"):
-            console.print(f"  {note}", markup=False)
+        if note.kind is NoteKind.DISAGGREGATED:
+            console.print(f"  {note.text}", markup=False)
     kv = next((p.kv_bytes for p in de.plans if p.name == "disaggregated"), 0)
     console.print(
         f"  KV cache moved: {kv / 2**20:.1f} MiB at {de.link_gbps:g} Gbit/s. "

@@ -10,7 +10,9 @@ from linkctl.core.errors import InputError
 from linkctl.core.profile import Profile
 from linkctl.core.records import ProbeRecord, latest_probe_path, load_calibrations, load_probe
 from linkctl.estimate.catalog import apply_calibration, get_device, load_catalog, rpc_role
-from linkctl.estimate.cost import GIB, Estimate, LinkFigures, Participant, estimate, split_devices
+from linkctl.estimate.cost import GIB, Estimate, LinkFigures, Participant, estimate
+from linkctl.estimate.layers import split_devices
+from linkctl.estimate.notes import Note, NoteKind
 
 
 def link_figures(
@@ -55,10 +57,10 @@ def link_figures(
 
 def participants(
     prof: Profile, query_rpc: bool = False, calibration: list[Path] | None = None
-) -> tuple[list[Participant], list[str]]:
+) -> tuple[list[Participant], list[Note]]:
     catalog = load_catalog()
     cals = load_calibrations(calibration)
-    notes: list[str] = []
+    notes: list[Note] = []
     out = []
     for i, h in enumerate(prof.hosts):
         dev = apply_calibration(get_device(catalog, h.device, f"hosts[{i}]"), cals.get(h.name))
@@ -84,13 +86,19 @@ def participants(
                 dev = behind_rpc
             else:
                 notes.append(
-                    f"{h.name}: not calibrated as an RPC device (run `linkctl calibrate --rpc` "
-                    "there): RPC processing cost not counted"
+                    Note(
+                        NoteKind.CALIBRATION,
+                        f"{h.name}: not calibrated as an RPC device (run `linkctl calibrate "
+                        "--rpc` there): RPC processing cost not counted",
+                    )
                 )
         if not dev.calibrated:
             notes.append(
-                f"{h.name}: catalog terms for {dev.key} ({dev.fit.get('summary', 'catalog')}; "
-                "not calibrated on this host)"
+                Note(
+                    NoteKind.CALIBRATION,
+                    f"{h.name}: catalog terms for {dev.key} "
+                    f"({dev.fit.get('summary', 'catalog')}; not calibrated on this host)",
+                )
             )
         out.append(Participant(h.name, h.role, dev, free, free_src, overhead))
     return out, notes

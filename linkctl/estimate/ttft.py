@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from linkctl.core.errors import InputError
+from linkctl.estimate.notes import Note, NoteKind, texts
 
 # Bytes per cell besides the K/V rows: the token id in the slot's token list (4) and
 # the cell's pos + n_seq_id (4 + 4). Plus a fixed header per file.
@@ -70,10 +71,10 @@ class DisaggEstimate:
     prefill_host: str
     decode_host: str
     link_gbps: float
-    notes: list[str] = field(default_factory=list)
+    notes: list[Note] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return asdict(self) | {"notes": texts(self.notes)}
 
 
 def _prefill_s(sc, n: int) -> float:
@@ -142,7 +143,12 @@ def predict(
     assert est.local is not None
     notes = list(est.warnings)
     if alone is None or not est.local.fits:
-        notes.append("disaggregated: the model does not fit each host alone (both hold all of it)")
+        notes.append(
+            Note(
+                NoteKind.DISAGGREGATED,
+                "disaggregated: the model does not fit each host alone (both hold all of it)",
+            )
+        )
     else:
         kv = kv_file_bytes(model, n_prompt)
         wire = kv * 8 / (link.throughput_gbps * 1e9)

@@ -17,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from linkctl.core.errors import InputError
-from linkctl.gguf.info import ModelInfo, TensorInfo, tensor_nbytes
+from linkctl.gguf.info import ModelInfo
+from linkctl.gguf.reader import TensorInfo, tensor_nbytes
 
 # ggml type ids (ggml.h enum ggml_type)
 F32, F16, Q4_0, Q8_0, Q4_K, Q6_K, MXFP4 = 0, 1, 2, 8, 12, 14, 39

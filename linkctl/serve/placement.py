@@ -99,7 +99,7 @@ def another_split(
 ) -> tuple[ServerInvocation, str, str]:
     """The reference for a model that does not fit the head: the same devices, the
     layers elsewhere. Returns (reference, reference assignment, split assignment)."""
-    from linkctl.estimate.cost import llama_slot_devices
+    from linkctl.estimate.layers import llama_slot_devices
 
     ngl = 99 if split.ngl is None else split.ngl  # llama-server's default: every layer
     names = [d.name for d in devices]
@@ -144,7 +144,8 @@ def another_split(
 def head_fits(prof: Profile, model_path: str) -> tuple[bool, str]:
     """Does the model fit the head alone, by estimate's memory model (weights + KV at
     CTX + llama.cpp's buffers, against the profile's memory_gb x usable fraction)?"""
-    from linkctl.estimate.cost import GIB, llama_slot_devices, scenario
+    from linkctl.estimate.cost import GIB, scenario
+    from linkctl.estimate.layers import llama_slot_devices
     from linkctl.estimate.run import participants
     from linkctl.gguf.info import read_model
 

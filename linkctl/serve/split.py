@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from linkctl.core.errors import InputError
 from linkctl.core.profile import Profile, parse_split_spec
+from linkctl.estimate.notes import NoteKind
 from linkctl.llama.invocation import split_text
 
 SplitMode = Literal["recommended", "llama", "weights"]
@@ -142,7 +143,7 @@ def choose_split(
         if est.recommendation is Recommendation.RUN_LOCALLY:
             from linkctl.estimate.report import reason
 
-            choice.notes.append(f"the estimate says run locally: {reason(est.verdict)}")
+            choice.notes.append(f"the estimate says run locally: {reason(est.advice)}")
     elif choice.mode == "llama":
         choice.order = order
         choice.notes.append(
@@ -152,7 +153,7 @@ def choose_split(
     choice.predicted_decode_tok_s = sc.decode_tok_s
     choice.predicted_prefill_tok_s = sc.prefill_tok_s
     choice.estimate_source = est.link.source if est.link else None
-    choice.notes += [w for w in est.warnings if "calibrat" in w]
+    choice.notes += [w.text for w in est.warnings if w.kind is NoteKind.CALIBRATION]
     return choice
 
 
