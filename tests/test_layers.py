@@ -25,6 +25,7 @@ import ast
 from pathlib import Path
 
 import pytest
+
 from support.paths import REPO
 
 PKG = REPO / "linkctl"
