@@ -207,6 +207,8 @@ _TEXT_TEST = re.compile(
     | \.(message|detail|fix)\.(startswith|endswith|find|count|lower|index)\(
     | str\(\s*(e|exc|err|error|ex)\s*\)\.(startswith|endswith|find|lower)\(
     | re\.(search|match|fullmatch|findall)\([^)]*(\.message|\.detail|str\(\s*(e|exc|err)\s*\))
+    | \b(note|why|warning|reason|msg)\.(startswith|endswith|find)\(     # our own sentences
+    | ["'][^"']*["']\s+(not\s+)?in\s+(note|why|w|warning|reason|msg)\b(?!\s*[(.\[])
     """
 )
 
@@ -222,6 +224,9 @@ def test_the_pattern_catches_the_old_forms():
         'if re.search("refused", e.message):',
         "if _NEEDS_ADMIN in e.value.message:",
         'if "x" in scratch.checks[-1].detail:',
+        'if why is not None and why.startswith("could not run"):',
+        'choice.notes += [w for w in est.warnings if "calibrat" in w]',
+        'if note.startswith("disaggregated:"):',
     ):
         assert _TEXT_TEST.search(line), line
     for line in (

@@ -54,7 +54,7 @@ def wait_props(
     last = None
     while True:
         try:
-            return up.call("GET", "/props", headers=headers, timeout=5)
+            return up.props(headers, timeout=5)
         except UpstreamError as e:
             if time.monotonic() > deadline:
                 raise

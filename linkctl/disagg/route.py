@@ -175,20 +175,14 @@ class Router:
         if path in CHAT_PATHS:
             if not isinstance(body.get("messages"), list):
                 return None
-            tmpl = self.cfg.decode.call(
-                "POST", "/apply-template", {"messages": body["messages"]}, headers
-            )
-            text = tmpl.get("prompt")
+            text = self.cfg.decode.apply_template(body["messages"], headers)
         else:
             text = _prompt_of(body)
         if isinstance(text, list) and text and all(isinstance(t, int) for t in text):
             return len(text)
         if not isinstance(text, str):
             return None  # several prompts, or multimodal: direct
-        tok = self.cfg.decode.call(
-            "POST", "/tokenize", {"content": text, "add_special": True}, headers
-        )
-        return len(tok.get("tokens", []))
+        return len(self.cfg.decode.tokenize(text, headers))
 
     def decide(self, path: str, body: dict[str, Any], headers: dict[str, str], o: Outcome) -> bool:
         if self.cfg.prefill is None or self.cfg.agent_host is None:
@@ -237,7 +231,7 @@ class Router:
         o.stage = "save"
         t = time.monotonic()
         own = cfg.own_headers()
-        saved = cfg.prefill.call("POST", f"/slots/{k}?action=save", {"filename": name}, own)
+        saved = cfg.prefill.slot(k, "save", name, own)
         o.save_s = time.monotonic() - t
         o.stage = "transfer"
         dest = cfg.decode_slot_dir / name
@@ -248,9 +242,7 @@ class Router:
             o.transfer_bytes, o.transfer_s = res.bytes, res.seconds
             o.stage = "restore"
             t = time.monotonic()
-            restored = cfg.decode.call(
-                "POST", f"/slots/{k}?action=restore", {"filename": name}, own
-            )
+            restored = cfg.decode.slot(k, "restore", name, own)
             o.restore_s = time.monotonic() - t
         finally:
             dest.unlink(missing_ok=True)
@@ -265,7 +257,7 @@ class Router:
 
     def erase(self, k: int) -> None:
         try:
-            self.cfg.decode.call("POST", f"/slots/{k}?action=erase", {}, self.cfg.own_headers())
+            self.cfg.decode.slot(k, "erase", headers=self.cfg.own_headers())
         except UpstreamError as e:
             self.log(f"erasing decode slot {k} failed: {e.message}")
 

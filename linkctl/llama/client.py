@@ -139,8 +139,10 @@ class LlamaServer:
             time.sleep(0.2)
         raise CheckFailed(f"llama-server on {self.url} not healthy within {timeout:g} s")
 
-    def props(self, timeout: float | None = None) -> dict[str, Any]:
-        return self.call("GET", "/props", timeout=timeout)
+    def props(
+        self, headers: dict[str, str] | None = None, timeout: float | None = None
+    ) -> dict[str, Any]:
+        return self.call("GET", "/props", headers=headers, timeout=timeout)
 
     def tokenize(self, text: str, headers: dict[str, str] | None = None) -> list[int]:
         r = self.call("POST", "/tokenize", {"content": text, "add_special": True}, headers)
@@ -149,10 +151,16 @@ class LlamaServer:
     def apply_template(self, messages: list[Any], headers: dict[str, str] | None = None) -> Any:
         return self.call("POST", "/apply-template", {"messages": messages}, headers).get("prompt")
 
-    def slot(self, k: int, action: str, filename: str | None = None) -> dict[str, Any]:
-        """POST /slots/k?action=save|restore|erase (the server's --slot-save-path)."""
+    def slot(
+        self,
+        k: int,
+        action: str,
+        filename: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
+        """POST /slots/k?action=save|restore|erase (files in the server's --slot-save-path)."""
         body = {"filename": filename} if filename else {}
-        return self.call("POST", f"/slots/{k}?action={action}", body)
+        return self.call("POST", f"/slots/{k}?action={action}", body, headers)
 
     def prompt_tokens(self, n: int) -> list[int]:
         """``n`` token ids of plain English text, via llama-server's own tokenizer, so a
