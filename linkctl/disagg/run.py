@@ -19,8 +19,8 @@ from linkctl.disagg.plan import (
     prefill_model_path,
     resolve_route_config,
 )
-from linkctl.llama.client import LlamaServer
-from linkctl.serve.supervise import ChildSpec, Policy, Supervisor
+from linkctl.serve.run import llama_server_child
+from linkctl.serve.supervise import Policy, Supervisor
 
 if TYPE_CHECKING:
     from linkctl.disagg.kvxfer import Agent
@@ -80,14 +80,7 @@ def run_prefill(
                 return None
             return f"no model at {model}: run `linkctl model sync` on {profile.head.name}"
 
-        server = LlamaServer.serving(plan.prefill)
-        spec = ChildSpec(
-            "llama-server",
-            plan.prefill.argv(),
-            ready=lambda: server.healthy(timeout=1.0),
-            ready_timeout=300,
-            before_start=model_here,
-        )
+        spec = llama_server_child(plan.prefill, before_start=model_here)
         return Supervisor(spec, policy=policy, log=log, status_path=status_path("prefill")).run()
     finally:
         agent.stop()
@@ -113,13 +106,7 @@ def run_decode(
     model = plan.decode.model
     cfg = resolve_route_config(profile, model, threshold)
     cfg.decode_slot_dir.mkdir(parents=True, exist_ok=True)
-    server = LlamaServer.serving(plan.decode)
-    spec = ChildSpec(
-        "llama-server",
-        plan.decode.argv(),
-        ready=lambda: server.healthy(timeout=1.0),
-        ready_timeout=300,
-    )
+    spec = llama_server_child(plan.decode)
     sup = Supervisor(spec, policy=policy, log=log, status_path=status_path("head"))
     failed: list[LinkctlError] = []
     servers: list[RouteServer] = []

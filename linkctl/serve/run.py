@@ -20,9 +20,10 @@ from linkctl.core.log import Say, speaker
 from linkctl.core.profile import HostSpec, Profile
 from linkctl.llama.bins import LlamaBins, compatible, local_rpc_protocol
 from linkctl.llama.client import LlamaServer
+from linkctl.llama.invocation import ServerInvocation
 from linkctl.serve.plan import ServePlan, check_bind_spec
 from linkctl.serve.split import SplitChoice
-from linkctl.serve.supervise import Policy
+from linkctl.serve.supervise import ChildSpec, Policy, Supervisor
 
 if TYPE_CHECKING:
     from linkctl.net.backend import Backend
@@ -146,7 +147,6 @@ def run_rpc(
 ) -> int:
     from linkctl.core.records import status_path
     from linkctl.llama import rpc
-    from linkctl.serve.supervise import ChildSpec, Supervisor
 
     check_bind_spec(host)
     check_bind_on_link(host, backend)
@@ -203,7 +203,6 @@ def run_head(
     split: SplitChoice | None = None,
 ) -> int:
     from linkctl.core.records import status_path
-    from linkctl.serve.supervise import ChildSpec, Supervisor
 
     local = None
     if bins.rpc_server:
@@ -240,18 +239,27 @@ def run_head(
         except InputError as e:
             return e.message
 
-    server = LlamaServer.serving(plan.head)
-    spec = ChildSpec(
-        "llama-server",
-        plan.head.argv(),
-        ready=lambda: server.healthy(timeout=1.0),
-        ready_timeout=300,
+    spec = llama_server_child(
+        plan.head,
         healthy=lambda pid: rpc_connections_lost(pid, plan.endpoints),
         health_interval=0.5,
         before_start=before_start,
     )
     sup = Supervisor(spec, policy=policy, log=log, status_path=status_path("head"))
     return sup.run()
+
+
+def llama_server_child(inv: ServerInvocation, **more: Any) -> ChildSpec:
+    """A supervised llama-server, ready once /health answers 200 (the model loaded:
+    up to 300 s for a large one)."""
+    server = LlamaServer.serving(inv)
+    return ChildSpec(
+        "llama-server",
+        inv.argv(),
+        ready=lambda: server.healthy(timeout=1.0),
+        ready_timeout=300,
+        **more,
+    )
 
 
 def model_path_check(model: str | None) -> str:
