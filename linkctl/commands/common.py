@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from linkctl.core.profile import DEFAULT_PROFILE
+from linkctl.core.paths import DEFAULT_PROFILE
 
 ProfileOpt = Annotated[
     str | None,

@@ -13,6 +13,8 @@ from pathlib import Path
 
 # Profiles installed by `linkctl service install` live here; also searched by name.
 SYSTEM_PROFILE_DIR = Path("/etc/linkctl/profiles")
+# The profile a command uses when given none and $LINKCTL_PROFILE is unset.
+DEFAULT_PROFILE = "dgx-mac"
 
 
 def shipped(*parts: str) -> Path:

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import ErrorDetails
 
 from linkctl.core.errors import InputError
-from linkctl.core.paths import profile_dirs
+from linkctl.core.paths import DEFAULT_PROFILE, profile_dirs
 
 IFNAME_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,15}$")
 MAC_RE = re.compile(r"^([0-9a-f]{2}:){5}[0-9a-f]{2}$")
@@ -372,9 +372,6 @@ def resolve_profile_path(name_or_path: str) -> Path:
         f"--profile {name_or_path!r}: no such profile in {', '.join(tried)}",
         f"use one of: {', '.join(known) or 'none found'}, or a path to a .toml file",
     )
-
-
-DEFAULT_PROFILE = "dgx-mac"
 
 
 def load_chosen(name_or_path: str | None) -> tuple[Profile, Path]:
