@@ -35,13 +35,15 @@ from pathlib import Path
 from labkit import PY, Proc, in_ns, start, wait_status
 
 TESTS = Path(__file__).resolve().parent.parent / "tests"
-sys.path.insert(0, str(TESTS))  # route_client (the requests), ggufshapes (the 70B header)
+sys.path.insert(0, str(TESTS))  # support: route_client (the requests), ggufshapes (70B)
 
 DECODE, ROUTE = 8080, 9999
 
 
 def client(lab: str, *ops: dict) -> list[dict]:
-    return json.loads(in_ns(lab, "mac", PY, str(TESTS / "route_client.py"), json.dumps(ops)))
+    return json.loads(
+        in_ns(lab, "mac", PY, str(TESTS / "support" / "route_client.py"), json.dumps(ops))
+    )
 
 
 def body(prompt: str, n: int, **extra) -> dict:
@@ -70,7 +72,6 @@ def main() -> int:
     import tomllib
 
     import tomli_w
-    from route_client import prompt_of
 
     from linkctl.core.profile import load_profile, parse_profile
     from linkctl.core.records import status_path
@@ -80,6 +81,7 @@ def main() -> int:
     from linkctl.gguf.info import read_model
     from linkctl.gguf.tiny import TinySpec, write_tiny_llama
     from linkctl.lab import netns as labmod
+    from support.route_client import prompt_of
 
     name, tmp, _state, _bins = start("disagg", "network namespaces")
     ctx = 8192
@@ -183,7 +185,7 @@ def main() -> int:
             "kv_bytes": plans["disaggregated"].kv_bytes,
             "wire_s": plans["disaggregated"].terms_s["KV over the link"],
         }
-    from ggufshapes import LLAMA_70B, write_header_only
+    from support.ggufshapes import LLAMA_70B, write_header_only
 
     real, _ = load_profile("dgx-mac")
     big = read_model(write_header_only(tmp / "70b.gguf", LLAMA_70B))

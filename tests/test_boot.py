@@ -19,14 +19,14 @@ import time
 import uuid
 
 import pytest
-from conftest import need_root_netns, need_tool
-from llama_util import need_llama
 
 from linkctl.core.profile import load_profile
 from linkctl.gguf.tiny import TinySpec, write_tiny_llama
 from linkctl.lab import boot
 from linkctl.lab import netns as labmod
 from linkctl.service import device_unit
+from support.cli import need_root_netns, need_tool
+from support.llama_util import need_llama
 
 pytestmark = [pytest.mark.netns, pytest.mark.llama]
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from conftest import linkctl
-
 from linkctl import __version__
+from support.cli import linkctl
 
 
 def test_version_answers_without_a_command():

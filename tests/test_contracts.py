@@ -14,8 +14,6 @@ import json
 from dataclasses import fields
 
 import pytest
-from macos_replay import backend as mac_backend
-from macos_replay import configured, mac_studio
 
 from linkctl.core.profile import load_profile
 from linkctl.core.runner import Runner
@@ -24,6 +22,8 @@ from linkctl.net.linux import LinuxBackend
 from linkctl.net.macos import MacBackend
 from linkctl.net.netstate import LinkFacts, Route
 from linkctl.net.plan import Change, Effect, Kind, Plan
+from support.macos_replay import backend as mac_backend
+from support.macos_replay import configured, mac_studio
 
 OWNERS = {"networkmanager", "systemd-networkd", "networksetup", "none"}
 PROF = load_profile("dgx-mac")[0]

@@ -14,8 +14,9 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import need_root_netns
-from llama_util import need_llama
+
+from support.cli import need_root_netns
+from support.llama_util import need_llama
 
 pytestmark = [pytest.mark.netns, pytest.mark.llama]
 

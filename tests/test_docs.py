@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from support.paths import REPO
+
 README = REPO / "README.md"
 DOCS = REPO / "docs"
 README_MAX_LINES = 200

@@ -13,13 +13,15 @@ from pathlib import Path
 
 import pytest
 import tomli_w
-from conftest import PROFILES, linkctl, ns_snapshot
-from llama_util import need_llama, start_fake, stop
 
 from linkctl import doctor
 from linkctl.core.checks import Check
 from linkctl.core.profile import load_profile
 from linkctl.probe import report as probe_report
+from support.cli import linkctl
+from support.lab import ns_snapshot
+from support.llama_util import need_llama, start_fake, stop
+from support.paths import PROFILES
 
 KEYS = {"check", "verdict", "value", "detail", "fix"}
 NET = ("interface", "speed", "duplex", "address", "mtu", "default route")
@@ -314,7 +316,7 @@ def _hello_refused(calls):
 
 
 def test_macos_backend_configured_mac(isolated, tmp_path):
-    from macos_replay import backend, configured, mac_studio
+    from support.macos_replay import backend, configured, mac_studio
 
     runner = configured(mac_studio())
     calls: list = []
@@ -338,7 +340,7 @@ def test_macos_backend_configured_mac(isolated, tmp_path):
 
 
 def test_macos_backend_before_setup_and_at_1g(isolated, tmp_path):
-    from macos_replay import CONFIGURED, argv, backend, configured, mac_studio, out
+    from support.macos_replay import CONFIGURED, argv, backend, configured, mac_studio, out
 
     runner = mac_studio()
     calls: list = []
@@ -402,9 +404,8 @@ def test_probe_report_line(isolated, me):
 
 
 def test_services_line(isolated, tmp_path):
-    from test_service import make_target, target_paths
-
     from linkctl import service as svc
+    from support.service_kit import make_target, target_paths
 
     prof = load_profile("dgx-mac")[0]
     dgx, mac = prof.host("dgx"), prof.host("mac")

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 import tomli_w
-from conftest import REPO
-from ggufshapes import LLAMA_7B, write_header_only
-from test_service import LINKCTL, LLAMA, make_target
+
+from support.ggufshapes import LLAMA_7B, write_header_only
+from support.paths import REPO
+from support.service_kit import LINKCTL, LLAMA, make_target
 
 TESTS = Path(__file__).resolve().parent
 
@@ -197,7 +198,7 @@ def test_every_module_imports_without_pyroute2(installed, tmp_path):
 
 REPLAY = """
 sys.path.insert(0, {tests!r})
-import macos_replay as mr
+from support import macos_replay as mr
 from linkctl import cli
 from linkctl.net import backend
 from linkctl.net import link

