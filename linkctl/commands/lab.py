@@ -260,14 +260,14 @@ def lab_boot(
     import time
 
     from linkctl.core.errors import InputError
-    from linkctl.lab import boot
+    from linkctl.lab import boot, rootfs
 
     prof, _ = load(profile)
 
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    image = boot.prepare(log=say)
+    image = rootfs.prepare(log=say)
     try:
         llama = boot.llama_dir()
         if install and llama is None:
