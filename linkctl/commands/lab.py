@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from linkctl.commands.common import JsonOpt, ProfileOpt, load
+from linkctl.core.checks import Verdict
 from linkctl.core.output import console, print_json
+
+if TYPE_CHECKING:
+    from linkctl.lab.demo_context import DemoReport
 
 lab_app = typer.Typer(
     help="Network namespaces that stand in for the profile's hosts (198.18.0.0/15 only).",
@@ -155,75 +159,75 @@ def lab_demo(
         print("interrupted: lab stopped and removed", file=sys.stderr)
         raise typer.Exit(130) from None
     if json_:
-        print_json(report)
+        print_json(report.as_json())
     else:
         render_demo(report)
 
 
-def render_demo(r: dict) -> None:
-    """The demo's final report as text."""
+def render_demo(r: DemoReport) -> None:
+    """The demo's final report as text (a finished run's: every section is there)."""
+    lab, sh, lim, m = r.lab, r.shaping, r.probe_limits, r.model
+    p, me = r.predicted, r.measured
+    assert lab and sh and lim and m and p and me and r.link and r.calibration, "report unfinished"
     out = console.print
-    sh = r["shaping"]
     shaped = ", ".join(
         x
         for x in (
-            f"tbf {sh['rate_bps'] / 1e9:g} Gbit/s" if sh["rate_bps"] else "",
-            f"+{sh['delay_ms']:g} ms one way on RPC" if sh["delay_ms"] else "",
+            f"tbf {sh.rate_bps / 1e9:g} Gbit/s" if sh.rate_bps else "",
+            f"+{sh.delay_ms:g} ms one way on RPC" if sh.delay_ms else "",
         )
         if x
     )
     out(
-        f"linkctl lab demo: profile {r['profile']} in lab {r['lab']['name']!r} "
-        f"({r['lab']['subnet']}){'; ' + shaped if shaped else ''}",
+        f"linkctl lab demo: profile {r.profile} in lab {lab.name!r} "
+        f"({lab.subnet}){'; ' + shaped if shaped else ''}",
         markup=False,
     )
-    for lk in r["link"]:
+    for lk in r.link:
+        rpc_rtt = float("nan") if lk.rpc_rtt_p50_us is None else lk.rpc_rtt_p50_us
         out(
-            f"  link    head -> {lk['peer']}: path MTU {lk['path_mtu']}, TCP RTT p50 "
-            f"{lk['rtt_p50_us']:.0f} µs p99 {lk['rtt_p99_us']:.0f} µs, RPC RTT p50 "
-            f"{lk.get('rpc_rtt_p50_us', float('nan')):.0f} µs, {lk['throughput_gbps']:.1f} / "
-            f"{lk['throughput_rev_gbps']:.1f} Gbit/s (1 stream, each way), "
-            f"{'PASS' if lk['ok'] else 'FAIL'}",
+            f"  link    head -> {lk.peer}: path MTU {lk.path_mtu}, TCP RTT p50 "
+            f"{lk.rtt_p50_us:.0f} µs p99 {lk.rtt_p99_us:.0f} µs, RPC RTT p50 "
+            f"{rpc_rtt:.0f} µs, {lk.throughput_gbps:.1f} / "
+            f"{lk.throughput_rev_gbps:.1f} Gbit/s (1 stream, each way), "
+            f"{Verdict.PASS if lk.ok else Verdict.FAIL}",
             markup=False,
         )
-    lim = r["probe_limits"]
     out(
         f"          probe limits in the lab (one shared CPU, not the profile's): p99 RTT "
-        f"<= {lim['max_rtt_p99_us']:g} µs, throughput >= {lim['min_throughput_gbps']:g} Gbit/s",
+        f"<= {lim.max_rtt_p99_us:g} µs, throughput >= {lim.min_throughput_gbps:g} Gbit/s",
         markup=False,
     )
-    m = r["model"]
-    out(f"  model   tiny llama, {m['n_layer']} layers, {m['bytes'] / 1e6:.0f} MB F32", markup=False)
-    for host, c in r["calibration"].items():
+    out(f"  model   tiny llama, {m.n_layer} layers, {m.bytes / 1e6:.0f} MB F32", markup=False)
+    for host, c in r.calibration.items():
         out(
-            f"  calib   {host}: {c['decode_tok_s']:.1f} tok/s alone = "
-            f"{c['effective_bandwidth_gbs']:.2f} GB/s effective",
+            f"  calib   {host}: {c.decode_tok_s:.1f} tok/s alone = "
+            f"{c.effective_bandwidth_gbs:.2f} GB/s effective",
             markup=False,
         )
-    p, me = r["predicted"], r["measured"]
     out(
-        f"  decode  predicted {p['split_decode_tok_s']:.1f} tok/s split, measured "
-        f"{me['split_decode_tok_s']:.1f} tok/s (best of {len(me['runs_tok_s'])}, median "
-        f"{me['median_decode_tok_s']:.1f}; {me['tokens_generated']} tokens generated): "
-        f"error {r['error_pct']:+.1f}%",
+        f"  decode  predicted {p.split_decode_tok_s:.1f} tok/s split, measured "
+        f"{me.split_decode_tok_s:.1f} tok/s (best of {len(me.runs_tok_s)}, median "
+        f"{me.median_decode_tok_s:.1f}; {me.tokens_generated} tokens generated): "
+        f"error {r.error_pct:+.1f}%",
         markup=False,
     )
     out(
-        f"  network {p['network_per_token_us']:.0f} µs per token "
-        f"({p['network_per_layer_us']:.1f} µs per layer) at RTT {p['rtt_us']:.0f} µs",
+        f"  network {p.network_per_token_us:.0f} µs per token "
+        f"({p.network_per_layer_us:.1f} µs per layer) at RTT {p.rtt_us:.0f} µs",
         markup=False,
     )
     out(
-        f"  advice  {p['recommendation']}: {p['reason']} "
-        f"(local only predicted {p['local_decode_tok_s']:.1f} tok/s)",
+        f"  advice  {p.recommendation}: {p.reason} "
+        f"(local only predicted {p.local_decode_tok_s:.1f} tok/s)",
         markup=False,
     )
-    if r.get("verify"):
-        out(f"  verify  {r['verify']['summary']}", markup=False)
-    left = r.get("left_behind") or []
+    if r.verify:
+        out(f"  verify  {r.verify.summary}", markup=False)
+    left = r.left_behind or []
     out(
         f"  cleanup {'nothing left behind' if not left else 'LEFT BEHIND: ' + ', '.join(left)}; "
-        f"total {r['total_s']:.0f} s",
+        f"total {r.total_s:.0f} s",
         markup=False,
     )
 
@@ -260,14 +264,14 @@ def lab_boot(
     import time
 
     from linkctl.core.errors import InputError
-    from linkctl.lab import boot
+    from linkctl.lab import boot, rootfs
 
     prof, _ = load(profile)
 
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    image = boot.prepare(log=say)
+    image = rootfs.prepare(log=say)
     try:
         llama = boot.llama_dir()
         if install and llama is None:

@@ -206,7 +206,7 @@ class _RpcParser(_Framer):
         self.computed = False  # a GRAPH_COMPUTE has gone by: weights are loaded
         self.counts: collections.Counter | None = None
 
-    def feed(self, data: bytes, counts: collections.Counter | None = None) -> bytes:  # type: ignore[override]
+    def feed(self, data: bytes, counts: collections.Counter | None = None) -> bytes:
         self.counts = counts
         return super().feed(data)
 
@@ -222,8 +222,11 @@ class _RpcParser(_Framer):
         if cmd in (RpcCmd.GRAPH_COMPUTE, RpcCmd.GRAPH_RECOMPUTE):
             self.computed = True
         c = self.corrupt
-        hit = cmd == RpcCmd.SET_TENSOR and c is not None
-        hit = hit and (c.target == "set_tensor" or (c.target == "weights" and not self.computed))
+        hit = (
+            c is not None
+            and cmd == RpcCmd.SET_TENSOR
+            and (c.target == "set_tensor" or (c.target == "weights" and not self.computed))
+        )
         return size, SET_TENSOR_HEADER if hit else None
 
 
@@ -303,17 +306,20 @@ class _Pipe:
         c2s: bool,
         conn_state: dict[str, Any],
     ):
-        self.proxy, self.src, self.dst, self.c2s = proxy, src, dst, c2s
+        self.proxy, self.src, self.dst = proxy, src, dst
         self.state = conn_state
         self.q: collections.deque[tuple[float, bytes]] = collections.deque()
         self.cv = threading.Condition()
         self.closed = False
         corrupt, owed = proxy.stats.corruption, conn_state.get("owed")
-        self.parser: _Framer | None = None
-        if c2s:
-            self.parser = _RpcParser(corrupt, owed)
-        elif corrupt is not None and owed is not None:
-            self.parser = _ResponseParser(corrupt, owed)
+        # Client to server: every command is parsed (counted, maybe corrupted). Server
+        # to client: responses are parsed only to corrupt GET_TENSOR results.
+        self.requests = _RpcParser(corrupt, owed) if c2s else None
+        self.responses = (
+            _ResponseParser(corrupt, owed)
+            if not c2s and corrupt is not None and owed is not None
+            else None
+        )
 
     def start(self) -> None:
         threading.Thread(target=self._read, daemon=True).start()
@@ -329,14 +335,14 @@ class _Pipe:
                     break
                 now = time.monotonic()
                 with lock:
-                    if self.c2s:
+                    if self.requests is not None:  # client to server
                         st.c2s_chunks += 1
                         st.c2s_bytes += len(data)
                         self.state["last"] = "c"
-                        data = self.parser.feed(data, st.rpc_commands)  # type: ignore[union-attr]
+                        data = self.requests.feed(data, st.rpc_commands)
                     else:
-                        if self.parser is not None:
-                            data = self.parser.feed(data)
+                        if self.responses is not None:
+                            data = self.responses.feed(data)
                         st.s2c_chunks += 1
                         st.s2c_bytes += len(data)
                         if self.state.get("last") == "c":

@@ -185,10 +185,10 @@ def up(profile: Profile, name: str = "lab") -> Lab:
             with IPRoute(netns=ns) as ipr:
                 ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
         _wire_wifi(lab)
-        _wire_link(lab)
+        wire_link(lab)
         root.mkdir(parents=True, exist_ok=True)
-        for h in hosts:
-            lab.host_state_dir(h.name).mkdir(parents=True, exist_ok=True)
+        for lh in hosts:
+            lab.host_state_dir(lh.name).mkdir(parents=True, exist_ok=True)
         Path(lab.profile_path).write_text(
             f"# written by `linkctl lab up --name {name}` from profile {profile.name}\n"
             + tomli_w.dumps(lab_profile.to_toml_dict())
@@ -232,7 +232,7 @@ def _wire_wifi(lab: Lab) -> None:
                 time.sleep(0.02)
 
 
-def _wire_link(lab: Lab) -> None:
+def wire_link(lab: Lab) -> None:
     """The direct cable (two hosts) or a switch. Host ends start down at MTU 1500,
     like a freshly plugged port; setup is what brings them up."""
     from pyroute2 import IPRoute
@@ -374,22 +374,6 @@ def exec_argv(lab: Lab, host: str, argv: list[str]) -> tuple[list[str], dict[str
         LINKCTL_LAB=lab.name,
     )
     return ["ip", "netns", "exec", h.netns, *argv], env
-
-
-def unplug(lab: Lab) -> None:
-    """Pull every link cable: delete each host's link port (its veth peer goes with it)."""
-    from pyroute2 import IPRoute
-
-    for h in lab.hosts:
-        with IPRoute(netns=h.netns) as ipr:
-            idx = ipr.link_lookup(ifname=h.interface)
-            if idx:
-                ipr.link("del", index=idx[0])
-
-
-def plug(lab: Lab) -> None:
-    """Plug the cables back in: fresh ports, down at MTU 1500, like `lab up` made them."""
-    _wire_link(lab)
 
 
 def reset_port(lab: Lab, host: str) -> None:

@@ -12,9 +12,10 @@ import pytest
 
 from linkctl.core.errors import CheckFailed
 from linkctl.core.runner import Result
-from linkctl.lab.demo import Probe
+from linkctl.lab.demo_steps import Probe, ProbeOutcome
+from support.paths import FIXTURES
 
-FIX = Path(__file__).parent / "fixtures" / "probe"
+FIX = FIXTURES / "probe"
 
 
 def fixture(name: str) -> str:
@@ -50,31 +51,40 @@ def tail_failed() -> str:
     return json.dumps(d)
 
 
+COULD_NOT_RUN, FAILED = ProbeOutcome.COULD_NOT_RUN, ProbeOutcome.FAILED
+
+
 @pytest.mark.parametrize(
-    "answer, why",
+    "answer, outcome, why",
     [
-        ((2, fixture("iperf-busy"), ""), "could not run: iperf3 server on 192.168.100.2:5201"),
-        ((1, fixture("mtu-mismatch"), ""), "failed: path mtu (1500 vs limit 9000)"),
-        ((1, tail_failed(), ""), "failed: tcp rtt 1 B (7310 vs limit 500)"),
-        ((-9, "", ""), "could not run: no output (exit -9)"),
-        ((2, "", "linkctl: error: no such host\n"), "could not run: linkctl: error: no such"),
+        ((2, fixture("iperf-busy"), ""), COULD_NOT_RUN, "iperf3 server on 192.168.100.2:5201"),
+        ((1, fixture("mtu-mismatch"), ""), FAILED, "path mtu (1500 vs limit 9000)"),
+        ((1, tail_failed(), ""), FAILED, "tcp rtt 1 B (7310 vs limit 500)"),
+        ((-9, "", ""), COULD_NOT_RUN, "no output (exit -9)"),
+        ((2, "", "linkctl: error: no such host\n"), COULD_NOT_RUN, "linkctl: error: no such"),
     ],
 )
-def test_why_a_probe_did_not_pass(tmp_path, answer, why):
-    _, got = Probe("mac", "dgx").attempt(Ctx(tmp_path, [answer]), tmp_path / "p.log")
-    assert got is not None and got.startswith(why), got
+def test_why_a_probe_did_not_pass(tmp_path, answer, outcome, why):
+    got = Probe("mac", "dgx").attempt(Ctx(tmp_path, [answer]), tmp_path / "p.log")
+    assert got.outcome is outcome and got.why.startswith(why), got
+    assert str(got) == f"{outcome.value}: {got.why}"
+
+
+def test_a_passing_attempt_has_no_reason(tmp_path):
+    got = Probe("mac", "dgx").attempt(Ctx(tmp_path, [(0, fixture("clean"), "")]), tmp_path / "p")
+    assert got.outcome is ProbeOutcome.PASSED and got.why == "" and got.record is not None
 
 
 def test_a_passing_probe_runs_once(tmp_path):
     ctx = Ctx(tmp_path, [(0, fixture("clean"), "")])
     r = Probe("mac", "dgx").probe(ctx)
-    assert r["ok"] and r["first_run"] is None and not ctx.said and not ctx.answers
+    assert r.ok and r.first_run is None and not ctx.said and not ctx.answers
 
 
 def test_a_failed_probe_runs_once_more_and_the_first_reason_is_kept(tmp_path):
     ctx = Ctx(tmp_path, [(1, tail_failed(), ""), (0, fixture("clean"), "")])
     r = Probe("mac", "dgx").probe(ctx)
-    assert r["ok"] and r["first_run"] == "failed: tcp rtt 1 B (7310 vs limit 500)"
+    assert r.ok and r.first_run == "failed: tcp rtt 1 B (7310 vs limit 500)"
     assert "probing once more" in ctx.said[0] and "7310" in ctx.said[0]
     log = (tmp_path / "mac-probe-dgx.log").read_text()
     assert log.count('"checks"') == 2 and "--- second run ---" in log
@@ -86,4 +96,4 @@ def test_two_failures_stop_the_demo_with_the_reason(tmp_path):
         Probe("mac", "dgx").probe(Ctx(tmp_path, [stopped, stopped]))
     failed = (1, tail_failed(), "")
     r = Probe("mac", "dgx").probe(Ctx(tmp_path, [failed, failed]))
-    assert not r["ok"] and r["failed"] == "tcp rtt 1 B (7310 vs limit 500)"
+    assert not r.ok and r.failed == "tcp rtt 1 B (7310 vs limit 500)"
