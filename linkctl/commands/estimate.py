@@ -112,14 +112,14 @@ def register(app: typer.Typer) -> None:
 
         Example: linkctl estimate --model /models/qwen3-235b-q4.gguf --ctx 32768 --depth 8192
         """
-        from linkctl.estimate.run import run_estimate
+        from linkctl.estimate.run import parse_split, run_estimate
 
         prof, _ = load(profile)
         est = run_estimate(
             prof,
             model,
             probe=probe,
-            tensor_split=tensor_split,
+            tensor_split=parse_split(tensor_split),
             ctx=ctx,
             prompt=prompt,
             rtt_us=rtt_us,

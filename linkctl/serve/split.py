@@ -167,7 +167,5 @@ def _estimate_for(
             f"model {model or '(none)'} is not a readable file here",
             "set serve.model or pass --model PATH",
         )
-    ts = None
-    if choice.mode == "weights" and choice.tensor_split:
-        ts = split_text(choice.tensor_split)
+    ts = choice.tensor_split if choice.mode == "weights" else None
     return run_estimate(profile, Path(model), tensor_split=ts, calibration=calibration)
