@@ -40,7 +40,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from linkctl.core.checks import Verdict
 from linkctl.core.profile import load_profile
+from linkctl.core.records import ProbeRecord, parse
 from linkctl.lab import netns as labmod
 
 SOCKPERF_PORT = 11111
@@ -161,7 +163,7 @@ def main() -> int:
         t0 = time.monotonic()
         r = run_in(lab, "mac", ["linkctl", "probe", "--json"])
         wall = time.monotonic() - t0
-        default = json.loads(r.stdout)
+        default = parse(ProbeRecord, json.loads(r.stdout), "stdout", "probe report", "rerun")
         stop(resp)
         resp = None
     finally:
@@ -196,13 +198,13 @@ def main() -> int:
         },
         "default_probe": {
             "wall_s": round(wall, 2),
-            "probe_elapsed_s": default["elapsed_s"],
+            "probe_elapsed_s": default.elapsed_s,
             "exit_code": r.returncode,
             "duration_s_per_iperf3_run": prof.probe.duration_s,
             "not_pass": [
-                f"{c['name']}: {c['verdict']} {c['value']} ({c['detail']})"
-                for c in default["checks"]
-                if c["verdict"] != "PASS"
+                f"{c.name}: {c.verdict} {c.value} ({c.detail})"
+                for c in default.checks
+                if c.verdict is not Verdict.PASS
             ],
         },
     }

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from linkctl.core.checks import Check, Verdict
 from linkctl.core.errors import InputError
 from linkctl.core.paths import state_dir, write_atomic
 
@@ -198,7 +199,7 @@ class ProbeRecord(Record):
     exit_code: int = 0
     stopped: str | None = None
     elapsed_s: float = 0.0
-    checks: list[dict[str, Any]] = Field(default_factory=list)
+    checks: list[Check] = Field(default_factory=list)
     nic: NicPart = Field(default_factory=NicPart)
     arp: ArpPart = Field(default_factory=ArpPart)
     mtu: MtuPart = Field(default_factory=MtuPart)
@@ -214,7 +215,7 @@ class ProbeRecord(Record):
 
     @property
     def failed(self) -> list[str]:
-        return [c.get("name", "?") for c in self.checks if c.get("verdict") == "FAIL"]
+        return [c.name for c in self.checks if c.verdict is Verdict.FAIL]
 
     def runs(self) -> dict[str, ThroughputRun]:
         return {k: v for k, v in self.throughput.items() if isinstance(v, ThroughputRun)}

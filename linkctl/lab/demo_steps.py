@@ -160,12 +160,11 @@ class Responder(BackgroundStep):
         ctx.wait_port(ctx.head, h["address"].split("/")[0], port, self.bg)
 
 
-def checks_of(rows: list[dict[str, Any]], name_key: str = "name") -> list[Check]:
-    """The check rows of a command's JSON as Check records (probe names a check under
-    ``name``, doctor under ``check``)."""
+def doctor_checks_of(rows: list[dict[str, Any]]) -> list[Check]:
+    """`linkctl doctor --json`'s lines (doctor.DoctorResult.as_json) as Check records."""
     return [
         Check(
-            name=r[name_key],
+            name=r["check"],
             verdict=Verdict(r["verdict"]),
             value=r.get("value"),
             threshold=r.get("threshold"),
@@ -251,7 +250,7 @@ class Probe(Step):
             return ProbeAttempt(r, rec, ProbeOutcome.PASSED)
         if rec is not None and rec.stopped:
             return ProbeAttempt(r, rec, ProbeOutcome.COULD_NOT_RUN, rec.stopped)
-        failed = failed_text(checks_of(rec.checks)) if rec is not None else ""
+        failed = failed_text(rec.checks) if rec is not None else ""
         if failed:
             return ProbeAttempt(r, rec, ProbeOutcome.FAILED, failed)
         last = (r.stderr.strip() or "no output").splitlines()[-1]
@@ -275,7 +274,7 @@ class Probe(Step):
         rep = last.record
         if last.outcome is ProbeOutcome.COULD_NOT_RUN or rep is None:
             raise CheckFailed(f"`linkctl probe --peer {peer}` {last}", f"see {log}")
-        checks = checks_of(rep.checks)
+        checks = rep.checks
         tcp1 = rep.latency.tcp["1"]
         thr = rep.runs()
         return LinkResult(
@@ -376,7 +375,7 @@ class Doctor(Step):
         argv = ["linkctl", "doctor", "--profile", str(ctx.prof_path), "--json"]
         r = ctx.run_in(self.head, argv, log, timeout=120)
         rows = json.loads(r.stdout) if r.stdout.strip().startswith("[") else []
-        checks = checks_of(rows, name_key="check")
+        checks = doctor_checks_of(rows)
         count = {v: sum(c.verdict is v for c in checks) for v in Verdict}
         ctx.report.doctor = DoctorSummary(
             exit_code=r.returncode,

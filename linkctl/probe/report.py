@@ -86,7 +86,7 @@ class ProbeReport:
             exit_code=self.exit_code,
             stopped=self.stopped or None,
             elapsed_s=round(self.elapsed_s, 3),
-            checks=[c.as_dict() for c in self.checks],
+            checks=list(self.checks),
             nic=self.nic,
             arp=self.arp,
             mtu=self.mtu,

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from linkctl.core.checks import Verdict
 from linkctl.core.errors import InputError
 from linkctl.core.profile import load_profile
 from linkctl.core.records import (
@@ -155,7 +156,7 @@ def test_report_save_load_and_prometheus(tmp_path, monkeypatch):
     loaded = load_probe(probe_path("dgx-mac", "mac", "dgx"))
     assert loaded == load_probe(latest_probe_path())
     assert loaded.exit_code == 1 and loaded.ok is False
-    assert loaded.checks[1]["verdict"] == "FAIL"
+    assert loaded.checks[1].verdict is Verdict.FAIL
     assert loaded.latency.tcp["1"].p50_us == r.latency.tcp["1"].p50_us
     assert loaded.throughput["fwd_p1"].gbps == 0.48
     text = to_prometheus([r])
