@@ -21,6 +21,7 @@ from linkctl.core.profile import HostSpec, Profile
 from linkctl.llama.bins import LlamaBins, compatible, local_rpc_protocol
 from linkctl.llama.client import LlamaServer
 from linkctl.llama.invocation import ServerInvocation
+from linkctl.llama.rpc import RpcInfo
 from linkctl.serve.plan import ServePlan, check_bind_spec
 from linkctl.serve.split import SplitChoice
 from linkctl.serve.supervise import ChildSpec, Policy, Supervisor
@@ -93,13 +94,14 @@ def _fmt(v: tuple[int, int, int] | None) -> str:
 
 def check_endpoints(
     profile: Profile, local: tuple[int, int, int] | None, build: str, timeout: float = 3.0
-) -> list[dict[str, Any]]:
-    """HELLO every rpc endpoint; refuse a protocol mismatch with the local build.
+) -> dict[str, RpcInfo]:
+    """HELLO every rpc endpoint ({rpc host name: what it answered}, in --rpc order);
+    refuse a protocol mismatch with the local build.
     Raises RpcError subclasses (busy, no HELLO), ConnectionRefused / Timeout (nothing
     listens, no answer) and RpcProtocolMismatch."""
     from linkctl.llama import rpc
 
-    out = []
+    out = {}
     for h in profile.rpc_hosts:
         info = rpc.query(h.rpc_bind, h.rpc.port, timeout=timeout)
         if local is not None and not compatible(local, info.version):
@@ -111,7 +113,7 @@ def check_endpoints(
                 local=local,
                 remote=info.version,
             )
-        out.append({"name": h.name, **info.as_dict()})
+        out[h.name] = info
     return out
 
 
@@ -171,7 +173,7 @@ def wait_endpoints(
     *,
     wait_s: float,
     say: Say,
-) -> list[dict[str, Any]]:
+) -> dict[str, RpcInfo]:
     """First contact: wait up to ``wait_s`` for every endpoint (an rpc host may still be
     starting), but refuse at once what can never work (another protocol, no HELLO)."""
     from linkctl.llama import rpc
@@ -223,13 +225,11 @@ def run_head(
             say(f"split note: {note}")
 
     infos = wait_endpoints(profile, local, build, wait_s=wait_s, say=say)
-    for i in infos:
-        mem = ", ".join(
-            f"{d['free'] / 2**20:.0f}/{d['total'] / 2**20:.0f} MiB free" for d in i["devices"]
-        )
+    for name, i in infos.items():
+        mem = ", ".join(f"{d.free / 2**20:.0f}/{d.total / 2**20:.0f} MiB free" for d in i.devices)
         say(
-            f"rpc endpoint {i['name']} {i['host']}:{i['port']}: "
-            f"protocol {i['version']} ({i['hello_format']} HELLO), devices: {mem or 'none'}"
+            f"rpc endpoint {name} {i.host}:{i.port}: "
+            f"protocol {i.version_str} ({i.hello_format} HELLO), devices: {mem or 'none'}"
         )
 
     def before_start() -> str | None:

@@ -346,8 +346,8 @@ def verify(
         from linkctl.serve.run import check_endpoints as hello_all
 
         local = local_rpc_protocol(bins) if bins.rpc_server else None
-        for e in hello_all(prof, local, bins.build(), timeout=5.0):
-            say(f"rpc endpoint {e['name']} {e['host']}:{e['port']}: protocol {e['version']}")
+        for name, e in hello_all(prof, local, bins.build(), timeout=5.0).items():
+            say(f"rpc endpoint {name} {e.host}:{e.port}: protocol {e.version_str}")
     rep = plan(prof, opts, bins, say, runner, dry_run=dry_run)
     rep.dry_run = dry_run
     if dry_run:

@@ -134,7 +134,8 @@ def test_protocol_mismatch_carries_both_versions():
             r"speaks RPC protocol 3\.0\.0 .*this head's build speaks 7\.0\.0", str(e.value)
         )
         # The same endpoint, a compatible local build: no error.
-        assert run.check_endpoints(prof, (3, 0, 0), "test build")[0]["version"] == "3.0.0"
+        infos = run.check_endpoints(prof, (3, 0, 0), "test build")
+        assert [(n, i.version_str) for n, i in infos.items()] == [("dgx", "3.0.0")]
     finally:
         stop(fake)
 
