@@ -82,7 +82,7 @@ def main() -> int:
     a = ap.parse_args()
     from linkctl.core.profile import load_profile
     from linkctl.gguf.tiny import TinySpec, write_tiny_llama
-    from linkctl.lab import netns as labmod
+    from linkctl.lab import netns
 
     name, tmp, _state, bins = start("decode", "network namespaces")
     rpc_bin, server_bin = bins.rpc_server.path, bins.llama_server.path
@@ -90,7 +90,7 @@ def main() -> int:
         tmp / "tiny.gguf", TinySpec(n_layer=a.layers, n_embd=a.embd, n_ff=a.embd * 2)
     )
     prof, _ = load_profile("dgx-mac")
-    lab = labmod.up(prof, name)
+    lab = netns.up(prof, name)
     rpc_procs: list[Proc] = []
     try:
         for h in ("dgx", "mac"):
@@ -156,7 +156,7 @@ def main() -> int:
     finally:
         for p in rpc_procs:
             p.stop()
-        labmod.down(name)
+        netns.down(name)
     if a.json:
         print(json.dumps(out, indent=2))
         return 0

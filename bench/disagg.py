@@ -80,7 +80,7 @@ def main() -> int:
     from linkctl.estimate.ttft import predict
     from linkctl.gguf.info import read_model
     from linkctl.gguf.tiny import TinySpec, write_tiny_llama
-    from linkctl.lab import netns as labmod
+    from linkctl.lab import netns
     from support.route_client import prompt_of
 
     name, tmp, _state, _bins = start("disagg", "network namespaces")
@@ -88,7 +88,7 @@ def main() -> int:
     spec = TinySpec(n_layer=a.layers, n_embd=a.embd, n_ff=a.embd * 2, n_ctx=ctx)
     model = write_tiny_llama(tmp / "tiny.gguf", spec)
     prof, _ = load_profile("dgx-mac")
-    lab = labmod.up(prof, name)
+    lab = netns.up(prof, name)
     procs: list[Proc] = []
     try:
         for h in ("dgx", "mac"):
@@ -169,7 +169,7 @@ def main() -> int:
     finally:
         for proc in procs:
             proc.stop()
-        labmod.down(name)
+        netns.down(name)
 
     info = read_model(model["path"])
     parts, _ = participants(lab_prof)

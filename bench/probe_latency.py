@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from linkctl.core.checks import Verdict
 from linkctl.core.profile import load_profile
 from linkctl.core.records import ProbeRecord, parse
-from linkctl.lab import netns as labmod
+from linkctl.lab import netns
 
 SOCKPERF_PORT = 11111
 P50_RE = re.compile(r"percentile 50\.000 =\s*([\d.]+)")
@@ -52,12 +52,12 @@ OBS_RE = re.compile(r"Total (\d+) observations")
 
 
 def run_in(lab, host: str, argv: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
-    a, env = labmod.exec_argv(lab, host, argv)
+    a, env = netns.exec_argv(lab, host, argv)
     return subprocess.run(a, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def spawn_in(lab, host: str, argv: list[str]) -> subprocess.Popen:
-    a, env = labmod.exec_argv(lab, host, argv)
+    a, env = netns.exec_argv(lab, host, argv)
     return subprocess.Popen(a, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -141,7 +141,7 @@ def main() -> int:
         os.environ["LINKCTL_STATE_DIR"] = tempfile.mkdtemp(prefix="linkctl-bench-")
     name = "b" + uuid.uuid4().hex[:8]
     prof, _ = load_profile("dgx-mac")
-    lab = labmod.up(prof, name)
+    lab = netns.up(prof, name)
     resp = None
     try:
         for h in ("dgx", "mac"):
@@ -169,7 +169,7 @@ def main() -> int:
     finally:
         if resp:
             stop(resp)
-        labmod.down(name)
+        netns.down(name)
         if own_state:
             shutil.rmtree(os.environ["LINKCTL_STATE_DIR"], ignore_errors=True)
 

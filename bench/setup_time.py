@@ -69,18 +69,18 @@ def main() -> None:
 
     compileall.compile_dir(os.path.dirname(linkctl.__file__), quiet=1)
     from linkctl.core.profile import load_profile
-    from linkctl.lab import netns as labmod
+    from linkctl.lab import netns
 
     prof, _ = load_profile("dgx-mac")
     apply_s, rerun_s, status_s, ip_s, help_s, pass_s = [], [], [], [], [], []
     for _ in range(args.rounds):
         name = "b" + uuid.uuid4().hex[:6]
-        lb = labmod.up(prof, name)
+        lb = netns.up(prof, name)
         try:
             mac, dgx = lb.host("mac"), lb.host("dgx")
 
             def run(host, *a, _lb=lb, cpu=None):
-                argv, env = labmod.exec_argv(_lb, host, ["linkctl", *a])
+                argv, env = netns.exec_argv(_lb, host, ["linkctl", *a])
                 return wall(argv, env, cpu)
 
             run("mac", "setup")  # the peer end is up first
@@ -105,7 +105,7 @@ def main() -> None:
             ip_s.append(time.perf_counter() - t0)
             del dgx
         finally:
-            labmod.down(name)
+            netns.down(name)
         help_s.append(wall([PY, "-m", "linkctl", "--help"], cpu="help")[0])
         pass_s.append(wall([PY, "-c", "pass"])[0])
 

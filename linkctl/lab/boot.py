@@ -21,7 +21,7 @@ from pathlib import Path
 from linkctl.core.errors import InputError
 from linkctl.core.profile import Profile, parse_profile
 from linkctl.core.runner import Result, Runner, default_runner
-from linkctl.lab import netns as labmod
+from linkctl.lab import netns
 from linkctl.lab.container import Bind, Container
 from linkctl.lab.rootfs import VENV, Image, Log, quiet
 
@@ -89,7 +89,7 @@ class BootLab:
     runner: Runner = field(default_factory=default_runner)
     log: Log = quiet
     containers: dict[str, Container] = field(default_factory=dict)  # by profile host name
-    lab: labmod.Lab | None = None  # set by up()
+    lab: netns.Lab | None = None  # set by up()
     profile_in_container: str = ""
     _undo: list[Callable[[], object]] = field(default_factory=list)
 
@@ -108,8 +108,8 @@ class BootLab:
 
     def up(self) -> None:
         profile = self.profile
-        self._undo.append(lambda: labmod.down(self.name))
-        self.lab = lab = labmod.up(profile, self.name)
+        self._undo.append(lambda: netns.down(self.name))
+        self.lab = lab = netns.up(profile, self.name)
         text = boot_profile_text(
             Path(lab.profile_path),
             f"{MODEL_DIR}/{self.model.name}" if self.model else None,
@@ -157,7 +157,7 @@ class BootLab:
         t0 = time.monotonic()
         names = which or list(self.containers)
         for n in names:
-            labmod.reset_port(self.lab, n)
+            netns.reset_port(self.lab, n)
             self.containers[n].start()
         for n in names:
             self.containers[n].wait_booted(timeout)

@@ -27,7 +27,7 @@ from linkctl.core.errors import CheckFailed, InputError
 from linkctl.core.profile import Profile
 from linkctl.core.records import ServeStatus, load_status, status_path
 from linkctl.core.runner import Result, Runner
-from linkctl.lab import netns as labmod
+from linkctl.lab import netns
 
 # Big enough that a token is memory-bound work (110 MB of F32 weights read per
 # token), small enough to write in a second and decode at tens of tok/s on one core.
@@ -64,7 +64,7 @@ class DemoOptions:
                 f"--threads {self.threads} is outside 1..{ncpu} (this machine's CPUs)",
                 "e.g. --threads 1",
             )
-        return labmod.parse_rate(self.rate) if self.rate else None
+        return netns.parse_rate(self.rate) if self.rate else None
 
 
 # ---- the report ---------------------------------------------------------------------
@@ -244,7 +244,7 @@ class DemoContext:
     out_dir: Path  # report and logs: in the state directory, outside the lab
     runner: Runner
     say: Callable[[str], None]
-    lab: labmod.Lab | None = None
+    lab: netns.Lab | None = None
     prof_path: Path = Path()  # the lab profile with the demo's model, threads and ctx
     head_prof_path: Path = Path()  # the head's copy (rpc ports at the delay proxies)
     model_path: Path = Path()
@@ -267,7 +267,7 @@ class DemoContext:
 
     def argv(self, host: str, argv: list[str]) -> tuple[list[str], dict[str, str]]:
         assert self.lab is not None
-        argv, env = labmod.exec_argv(self.lab, host, argv)
+        argv, env = netns.exec_argv(self.lab, host, argv)
         # Caches the children write under $HOME (scapy's tables, rpc-server's tensor
         # cache) stay in the lab, which is removed at the end.
         home = self.lab.host_state_dir(host) / "home"
@@ -316,7 +316,7 @@ class DemoContext:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             _check_alive(bg)
-            with labmod.inside(self.lab.host(host).netns), socket.socket() as s:
+            with netns.inside(self.lab.host(host).netns), socket.socket() as s:
                 s.settimeout(0.5)
                 if s.connect_ex((addr, port)) == 0:
                     return

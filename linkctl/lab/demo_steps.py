@@ -19,7 +19,7 @@ from linkctl.core.checks import Check, Verdict
 from linkctl.core.errors import CheckFailed
 from linkctl.core.records import ProbeRecord, parse
 from linkctl.core.runner import Result
-from linkctl.lab import netns as labmod
+from linkctl.lab import netns
 from linkctl.lab.demo_context import (
     MODEL_SPEC,
     PROMPT,
@@ -65,13 +65,13 @@ class LabUp(Step):
         self.title = f"lab up: namespaces for {n_hosts} hosts"
 
     def run(self, ctx: DemoContext) -> str:
-        ctx.lab = lab = labmod.up(ctx.profile, ctx.opts.name)
+        ctx.lab = lab = netns.up(ctx.profile, ctx.opts.name)
         return ", ".join(f"{h.name} {h.address}" for h in lab.hosts)
 
     def cleanup(self, ctx: DemoContext) -> None:
         if ctx.lab is not None:
             ctx.say("cleaning up: lab down")
-            labmod.down(ctx.lab.name)
+            netns.down(ctx.lab.name)
 
 
 class WriteProfiles(Step):
@@ -133,7 +133,7 @@ class Shape(Step):
 
     def run(self, ctx: DemoContext) -> None:
         assert ctx.lab is not None
-        labmod.shape(ctx.lab, self.rate_bps)
+        netns.shape(ctx.lab, self.rate_bps)
 
 
 class BackgroundStep(Step):
@@ -403,7 +403,7 @@ class RpcRoundTrip(Step):
 
         assert ctx.lab is not None and ctx.report.link is not None
         # Before llama-server connects: rpc-server serves one client at a time.
-        with labmod.inside(ctx.lab.host(self.head).netns):
+        with netns.inside(ctx.lab.host(self.head).netns):
             ctx.rtts.append(round_trip_us(self.ip, self.port, RPC_RTT_SAMPLES))
         ctx.report.link[len(ctx.rtts) - 1].rpc_rtt_p50_us = round(ctx.rtts[-1], 1)
         return f"p50 {ctx.rtts[-1]:.0f} µs over {RPC_RTT_SAMPLES} GET_DEVICE_MEMORY"
@@ -488,7 +488,7 @@ class Completions(Step):
 
         assert ctx.lab is not None and ctx.report.predicted is not None
         o = ctx.opts
-        with labmod.inside(ctx.lab.host(ctx.head).netns):
+        with netns.inside(ctx.lab.host(ctx.head).netns):
             head = LlamaServer("127.0.0.1", ctx.prof["serve"]["port"])
             runs = head.timed_completions(o.tokens, o.runs, PROMPT)
         tok_s = [r.predicted_per_second for r in runs]

@@ -29,8 +29,7 @@ import pytest
 from linkctl.core.profile import load_profile
 from linkctl.core.runner import Result
 from linkctl.gguf.tiny import TinySpec, write_tiny_llama
-from linkctl.lab import boot, rootfs
-from linkctl.lab import netns as labmod
+from linkctl.lab import boot, netns, rootfs
 from linkctl.lab.container import Container
 from linkctl.service import device_unit
 from support import boot_kit as kit
@@ -225,7 +224,7 @@ class TestInstalledPair:
                 "up": True,
                 "inet": [lab_hosts[n].address],
             }
-            assert default_route(c) == [labmod.WIFI_IF], n
+            assert default_route(c) == [netns.WIFI_IF], n
             for u in UNITS[1:]:
                 st = kit.unit_props(c, u, "ActiveState", "SubState")
                 assert st == {"ActiveState": "active", "SubState": "running"}, (n, u, st)
@@ -327,7 +326,7 @@ class TestInstalledPair:
                 for comm in ("linkctl", "ggml-rpc-server", "llama-server", "iperf3"):
                     assert pids(c, comm) == [], (n, comm)
                 assert port(c, h.interface) == {"mtu": 1500, "up": False, "inet": []}
-                assert default_route(c) == [labmod.WIFI_IF]
+                assert default_route(c) == [netns.WIFI_IF]
         finally:
             pair.install_and_reboot()  # the class's pair, as the next test expects it
 
@@ -418,11 +417,11 @@ def test_networkmanager_connection_survives_reboot(nm_lab, host_before):
     )
     kit.wait_for(lambda: port(c, h.interface)["inet"] == [h.address], 30, "address after reboot")
     assert port(c, h.interface)["mtu"] == bl.profile.link.mtu
-    assert default_route(c) == [labmod.WIFI_IF]
+    assert default_route(c) == [netns.WIFI_IF]
     r = bl.linkctl("dgx", "teardown", "--profile", bl.profile_in_container)
     assert r.ok, r.stderr
     bl.reboot_all(["dgx"])
     time.sleep(3)  # NM's autoconnect window after boot
     assert conn not in nmcli(c, "-g", "NAME", "connection", "show")
     assert h.address not in port(c, h.interface)["inet"]
-    assert default_route(c) == [labmod.WIFI_IF]
+    assert default_route(c) == [netns.WIFI_IF]

@@ -218,11 +218,9 @@ def _read_line(proc: subprocess.Popen, timeout: float) -> str:
 @contextmanager
 def responder(lab, host: str):
     """`linkctl responder --json` in the host's namespace (the argv lab exec uses)."""
-    from linkctl.lab import netns as labmod
+    from linkctl.lab import netns
 
-    argv, env = labmod.exec_argv(
-        labmod.load_lab(lab.name), host, ["linkctl", "responder", "--json"]
-    )
+    argv, env = netns.exec_argv(netns.load_lab(lab.name), host, ["linkctl", "responder", "--json"])
     proc = subprocess.Popen(
         argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -472,10 +470,10 @@ def test_iperf3_missing_gives_install_hint(lab, tmp_path):
     bindir.mkdir()
     (bindir / "ping").symlink_to("/usr/bin/ping")  # everything the probe needs but iperf3
     with responder(lab, "dgx"):
-        from linkctl.lab import netns as labmod
+        from linkctl.lab import netns
 
-        argv, env = labmod.exec_argv(
-            labmod.load_lab(lab.name), "mac", ["linkctl", "probe", "--samples", "100"]
+        argv, env = netns.exec_argv(
+            netns.load_lab(lab.name), "mac", ["linkctl", "probe", "--samples", "100"]
         )
         env["PATH"] = str(bindir)
         argv[0] = "/usr/sbin/ip" if os.path.exists("/usr/sbin/ip") else "/sbin/ip"
@@ -533,7 +531,7 @@ def _iperf_pids(lab) -> list[int]:
 @pytest.mark.netns
 def test_no_raw_socket_permission_reason(lab):
     _setup(lab)
-    from linkctl.lab import netns as labmod
+    from linkctl.lab import netns
 
     # As user nobody: the pytest tmp dirs are root-only, so use a world-readable one.
     d = Path(tempfile.mkdtemp(prefix="lkp-nobody-"))
@@ -541,9 +539,9 @@ def test_no_raw_socket_permission_reason(lab):
         os.chmod(d, 0o755)
         (d / "state").mkdir(mode=0o777)
         os.chmod(d / "state", 0o777)
-        shutil.copy(labmod.load_lab(lab.name).profile_path, d / "profile.toml")
+        shutil.copy(netns.load_lab(lab.name).profile_path, d / "profile.toml")
         os.chmod(d / "profile.toml", 0o644)
-        argv, env = labmod.exec_argv(labmod.load_lab(lab.name), "mac", ["linkctl", "probe"])
+        argv, env = netns.exec_argv(netns.load_lab(lab.name), "mac", ["linkctl", "probe"])
         env.update(
             LINKCTL_STATE_DIR=str(d / "state"),
             LINKCTL_PROFILE=str(d / "profile.toml"),

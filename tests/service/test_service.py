@@ -422,9 +422,9 @@ def test_serve_identity_follows_file_permissions(tmp_path):
 
 
 def _lab_argv(lab, host: str, argv: list[str]) -> tuple[list[str], dict[str, str]]:
-    from linkctl.lab import netns as labmod
+    from linkctl.lab import netns
 
-    return labmod.exec_argv(labmod.load_lab(lab.name), host, argv)
+    return netns.exec_argv(netns.load_lab(lab.name), host, argv)
 
 
 def _caps_prefix(keys: dict[str, list[str]]) -> list[str]:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from linkctl.core.errors import InputError
-from linkctl.lab import netns as labmod
+from linkctl.lab import netns
 from linkctl.lab.boot import BootLab
 from linkctl.lab.container import CGROUP_ROOTS, PROPAGATE, Container
 from linkctl.lab.rootfs import WORK
@@ -122,7 +122,7 @@ def leftovers(names: list[str], lab_name: str) -> list[str]:
 # ---- faults --------------------------------------------------------------------------
 
 
-def unplug(lab: labmod.Lab) -> None:
+def unplug(lab: netns.Lab) -> None:
     """Pull every link cable: delete each host's link port (its veth peer goes with it)."""
     from pyroute2 import IPRoute
 
@@ -133,9 +133,9 @@ def unplug(lab: labmod.Lab) -> None:
                 ipr.link("del", index=idx[0])
 
 
-def plug(lab: labmod.Lab) -> None:
+def plug(lab: netns.Lab) -> None:
     """Plug the cables back in: fresh ports, down at MTU 1500, like `lab up` made them."""
-    labmod.wire_link(lab)
+    netns.wire_link(lab)
 
 
 def power_cut_all(bl: BootLab, which: list[str] | None = None) -> None:
