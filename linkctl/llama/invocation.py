@@ -199,7 +199,8 @@ _SERVER_OWNED: dict[str, tuple[str, type]] = {
     **dict.fromkeys(("-ctv", "--cache-type-v"), ("cache_type_v", str)),
     **dict.fromkeys(("-fa", "--flash-attn"), ("flash_attn", str)),
     **dict.fromkeys(("-lv", "--verbosity", "--log-verbosity"), ("verbosity", int)),
-    "--cache-ram": ("cache_ram_mib", int),
+    **dict.fromkeys(("-cram", "--cache-ram"), ("cache_ram_mib", int)),
+    **dict.fromkeys(("-dev", "--device"), ("devices", tuple)),
 }
 _SERVER_REFUSED = {
     **dict.fromkeys(("--host", "--port"), "serve.host and serve.port"),
@@ -241,15 +242,18 @@ def _take_owned(
             continue
         name, kind = owned[flag]
         value = inline if eq else next(it, None)
-        if value is None:
+        # -fa was a bare switch in older builds and takes on|off|auto now: an option read
+        # as its value would silently swallow that option.
+        if value is None or (value.startswith("-") and not value[1:].isdigit()):
             raise InputError(
                 f"{where} = {list(args)!r}: {flag} needs a value", f"give {flag} VALUE"
             )
         try:
-            changes[name] = kind(value)
+            changes[name] = tuple(value.split(",")) if kind is tuple else kind(value)
         except ValueError:
+            what = "a whole number" if kind is int else f"a {kind.__name__}"
             raise InputError(
-                f"{where} = {list(args)!r}: {flag} {value!r} is not a {kind.__name__}",
-                f"give {flag} a {kind.__name__}",
+                f"{where} = {list(args)!r}: {flag} {value!r} is not {what}",
+                f"give {flag} {what}",
             ) from None
     return changes, rest
