@@ -6,11 +6,11 @@ count, context or chat template (/props), another model file or KV cache layout
 from __future__ import annotations
 
 import json
-import time
 from typing import TYPE_CHECKING, Any
 
 from linkctl.core.errors import InputError
 from linkctl.core.log import Say, quiet
+from linkctl.core.wait import until_answered
 from linkctl.disagg.fingerprint import ModelFingerprint
 from linkctl.llama.client import LlamaServer, UpstreamError
 
@@ -50,18 +50,13 @@ def wait_props(
     up: LlamaServer, deadline_s: float, say: Say, headers: dict[str, str]
 ) -> dict[str, Any]:
     """/props of a server, waiting while it loads (503) or is not up yet."""
-    deadline = time.monotonic() + deadline_s
-    last = None
-    while True:
-        try:
-            return up.props(headers, timeout=5)
-        except UpstreamError as e:
-            if time.monotonic() > deadline:
-                raise
-            if e.message != last:
-                say(f"waiting for {up.url}: {e.message}")
-                last = e.message
-            time.sleep(0.5)
+    return until_answered(
+        lambda: up.props(headers, timeout=5),
+        within=deadline_s,
+        what=up.url,
+        say=say,
+        retry_on=UpstreamError,
+    )
 
 
 def check_pair(

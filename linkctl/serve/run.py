@@ -18,6 +18,7 @@ from typing import IO, TYPE_CHECKING, Any
 from linkctl.core.errors import CheckFailed, InputError, RpcProtocolMismatch
 from linkctl.core.log import Say, speaker
 from linkctl.core.profile import HostSpec, Profile
+from linkctl.core.wait import until_answered
 from linkctl.llama.bins import LlamaBins, compatible, local_rpc_protocol
 from linkctl.llama.client import LlamaServer
 from linkctl.llama.invocation import ServerInvocation
@@ -178,20 +179,14 @@ def wait_endpoints(
     starting), but refuse at once what can never work (another protocol, no HELLO)."""
     from linkctl.llama import rpc
 
-    deadline = time.monotonic() + wait_s
-    last = None
-    while True:
-        try:
-            return check_endpoints(profile, local, build)
-        except (rpc.RpcNoHello, RpcProtocolMismatch):
-            raise
-        except InputError as e:
-            if time.monotonic() > deadline:
-                raise
-            if e.message != last:
-                say(f"waiting for rpc endpoints: {e.message}")
-                last = e.message
-            time.sleep(0.5)
+    return until_answered(
+        lambda: check_endpoints(profile, local, build),
+        within=wait_s,
+        what="rpc endpoints",
+        say=say,
+        retry_on=InputError,
+        never_retry=(rpc.RpcNoHello, RpcProtocolMismatch),
+    )
 
 
 def run_head(
