@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from importlib import resources
 from pathlib import Path
+
+# importlib.resources and tempfile are imported where used: `linkctl --help` reads this
+# module (DEFAULT_PROFILE) and need not pay for them.
 
 # Profiles installed by `linkctl service install` live here; also searched by name.
 SYSTEM_PROFILE_DIR = Path("/etc/linkctl/profiles")
@@ -24,6 +25,8 @@ def shipped(*parts: str) -> Path:
     editable install and a wheel installed anywhere; pip always unpacks wheels,
     so the resource is a real path.
     """
+    from importlib import resources
+
     return Path(str(resources.files("linkctl").joinpath("data", *parts)))
 
 
@@ -49,6 +52,8 @@ def atomic_path(path: Path, mode: int = 0o644) -> Iterator[Path]:
     ends, removed if it raises, so a reader sees the old file or the new one, never a
     part. Unique (two writers never share it) and in the same directory (the rename
     stays on one filesystem). Creates the parent directory."""
+    import tempfile
+
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     os.close(fd)
@@ -81,6 +86,8 @@ def publish_dir(final: Path) -> Iterator[Path]:
     it is marked complete (``.complete``) and renamed to ``final`` in one step, so a
     reader sees a whole entry or none; if another run published the same entry
     meanwhile, that one stays and ours is dropped. Removed if the block raises."""
+    import tempfile
+
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f"{final.name}.tmp"))
     os.chmod(tmp, 0o755)  # as a plain mkdir makes it (mkdtemp's is 0700)
