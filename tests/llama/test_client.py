@@ -1,5 +1,7 @@
-"""The one llama-server HTTP client, against a small server on loopback that answers
-the way llama-server does (JSON, an error object, or something else)."""
+"""The one llama-server HTTP client, against a small server that answers the way
+llama-server does (JSON, an error object, or something else). Server and client run in
+a network namespace made for the test, on a 198.18.0.0/15 address of its own: no packet
+of these tests is sent anywhere else."""
 
 from __future__ import annotations
 
@@ -8,14 +10,19 @@ import socket
 import subprocess
 import sys
 import threading
+import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from linkctl.core.errors import CheckFailed, LinkctlError
+from linkctl.lab import netns
 from linkctl.llama.client import LlamaServer, UpstreamError
 from linkctl.llama.invocation import ServerInvocation
+from support.cli import need_root_netns
+
+ADDR = "198.18.250.1"
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -50,11 +57,27 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 @pytest.fixture
-def server() -> Iterator[LlamaServer]:
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+def ns() -> Iterator[None]:
+    """A namespace of the test's own, its loopback up with ADDR on it; the test body
+    (and every socket it opens) runs inside it."""
+    need_root_netns()
+    name = "lk-client-" + uuid.uuid4().hex[:6]
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
+        subprocess.run(["ip", "-n", name, "addr", "add", f"{ADDR}/32", "dev", "lo"], check=True)
+        with netns.inside(name):
+            yield
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=True)
+
+
+@pytest.fixture
+def server(ns: None) -> Iterator[LlamaServer]:
+    httpd = ThreadingHTTPServer((ADDR, 0), _Handler)  # bound inside the namespace
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
-        yield LlamaServer("127.0.0.1", httpd.server_address[1], timeout=5)
+        yield LlamaServer(ADDR, httpd.server_address[1], timeout=5)
     finally:
         httpd.shutdown()
         httpd.server_close()
@@ -62,7 +85,7 @@ def server() -> Iterator[LlamaServer]:
 
 def _closed_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((ADDR, 0))
         return s.getsockname()[1]
 
 
@@ -82,7 +105,7 @@ def test_each_failure_is_an_upstream_error_naming_server_and_path(server: LlamaS
     with pytest.raises(UpstreamError) as e:
         server.call("GET", "/other")
     assert e.value.status == 500 and "not JSON" in e.value.message
-    down = LlamaServer("127.0.0.1", _closed_port(), timeout=2)
+    down = LlamaServer(ADDR, _closed_port(), timeout=2)
     with pytest.raises(UpstreamError) as e:
         down.props()
     assert e.value.status is None and "ConnectionRefusedError" in e.value.message
@@ -92,11 +115,11 @@ def test_each_failure_is_an_upstream_error_naming_server_and_path(server: LlamaS
     assert e.value.exit_code == 1 and e.value.fix
 
 
-def test_wait_healthy_stops_when_the_server_exits():
+def test_wait_healthy_stops_when_the_server_exits(ns: None):
     proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     proc.wait()
     with pytest.raises(CheckFailed, match="exited 3 while loading"):
-        LlamaServer("127.0.0.1", _closed_port()).wait_healthy(proc, 5, None)
+        LlamaServer(ADDR, _closed_port()).wait_healthy(proc, 5, None)
 
 
 def test_a_wildcard_listen_address_is_reached_through_loopback():
