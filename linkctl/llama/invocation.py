@@ -34,7 +34,7 @@ class FieldDiff:
     a: Any
     b: Any
 
-    def text(self, a_name: str = "a", b_name: str = "b") -> str:
+    def text(self, a_name: str, b_name: str) -> str:
         return f"{self.field}: {a_name} {self.a}, {b_name} {self.b}"
 
 
@@ -57,9 +57,6 @@ class KvLayout:
     cache_type_k: str = DEFAULT_CACHE_TYPE
     cache_type_v: str = DEFAULT_CACHE_TYPE
     flash_attn: str = DEFAULT_FLASH_ATTN
-
-    def diff(self, other: KvLayout) -> list[FieldDiff]:
-        return diff_fields(self, other)
 
     def as_dict(self) -> dict[str, str]:
         return asdict(self)
@@ -144,9 +141,6 @@ class ServerInvocation:
             changes["kv"] = replace(self.kv, **kv)
         return replace(self, **changes, extra_args=(*self.extra_args, *rest))
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"argv": self.argv()}
-
 
 @dataclass(frozen=True)
 class RpcServerInvocation:
@@ -173,9 +167,6 @@ class RpcServerInvocation:
     def with_extra(self, args: Sequence[str], where: str) -> RpcServerInvocation:
         changes, rest = _take_owned(args, where, _RPC_OWNED, _RPC_REFUSED)
         return replace(self, **changes, extra_args=(*self.extra_args, *rest))
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"argv": self.argv()}
 
 
 def split_text(weights: Sequence[float]) -> str:

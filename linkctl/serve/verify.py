@@ -306,7 +306,9 @@ def plan(
         if split.tensor_split:
             split_assign += f", -ts {split_text(split.tensor_split)}"
         ref_hosts = [head]
-    ref = ref.changed(port=free_port())  # both servers are up one after the other
+    # Its own port: the reference's server has just stopped when the split's starts, and
+    # its port may not be free again yet.
+    ref = ref.changed(port=free_port())
     tol, tol_why = backend_class(prof, sorted({*ref_hosts, *rpc_hosts, head}), opts.backends)
     return VerifyReport(
         profile=prof.name,
