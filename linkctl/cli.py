@@ -29,6 +29,7 @@ from linkctl.commands import (
     doctor,
     estimate,
     lab,
+    lifecycle,
     link,
     llama,
     model,
@@ -43,6 +44,8 @@ app = typer.Typer(
     name="linkctl",
     help="Verified, measured direct links for llama.cpp RPC split inference.\n\n"
     "\b\n"
+    "  sudo linkctl up --profile dgx-mac on each host: link, probe gate, serve, at boot\n"
+    "  sudo linkctl down                 undo it all\n"
     "  linkctl setup --profile dgx-mac   configure this host's end of the link\n"
     "  linkctl probe                     verify and measure the link\n"
     "  linkctl estimate --model m.gguf   predict decode/prefill tokens/s\n"
@@ -53,7 +56,20 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-for module in (link, lab, probe, serve, disagg, model, estimate, service, doctor, llama, verify):
+for module in (
+    lifecycle,
+    link,
+    lab,
+    probe,
+    serve,
+    disagg,
+    model,
+    estimate,
+    service,
+    doctor,
+    llama,
+    verify,
+):
     module.register(app)
 
 

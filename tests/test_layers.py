@@ -12,6 +12,7 @@ package of its own layer:
     calibrate, serve          measure a host; run and verify the pair
     disagg                    prefill on one host, decode on the other
     service                   boot units
+    lifecycle                 up and down: the stages above, in order, and undone
     lab                       namespaces, the demo, the boot harness
     doctor                    one read-only pass over all of it
     commands                  the thin CLI
@@ -37,6 +38,7 @@ LAYERS: list[set[str]] = [
     {"calibrate", "serve"},
     {"disagg"},
     {"service"},
+    {"lifecycle"},
     {"lab"},
     {"doctor"},
     {"commands"},

@@ -94,6 +94,7 @@ class CalibrationPlan(BaseModel):
     rpc_server: Server[RpcServerInvocation] | None = None
     rpc_head: Server[ServerInvocation] | None = None
     llama_server: str
+    build: str | None = None  # llama-server --version: what the record says it measured
     workdir: str  # generated models and the servers' logs
     saves_to: str
     catalog_layer_us: float
@@ -205,7 +206,7 @@ def plan(
     from linkctl.core.records import calibration_path, kept_calibrations
     from linkctl.estimate.catalog import get_device, load_catalog
     from linkctl.gguf.info import read_model
-    from linkctl.llama.bins import find_bins, free_port
+    from linkctl.llama.bins import find_bins, free_port, server_version
 
     if tokens < 8 or runs < 1:
         raise InputError(
@@ -294,6 +295,7 @@ def plan(
         rpc_server=rpc_server,
         rpc_head=rpc_head,
         llama_server=server,
+        build=server_version(server, runner),
         workdir=str(workdir),
         saves_to=str(calibration_path()),
         catalog_layer_us=dev.decode.layer_us,

@@ -136,6 +136,7 @@ def record(plan: CalibrationPlan, m: Measurements) -> CalibrationRecord:
         "catalog_layer_us": plan.catalog_layer_us,
         "catalog_effective_bandwidth_gbs": plan.catalog_effective_bandwidth_gbs,
         "llama_server": plan.llama_server,
+        "build": plan.build,
     }
     if plan.cpu_quota and plan.cpu_quota.cpus:
         rec["cpu_quota"] = plan.cpu_quota.model_dump()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -27,6 +28,15 @@ HostOpt = Annotated[
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan; change nothing.")]
+CalibrationOpt = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--calibration",
+        help="Another calibration.json to use besides this host's state (whose file already "
+        "holds the peer's terms once a probe has fetched them); repeatable.",
+        show_default=False,
+    ),
+]
 
 
 def load(profile: str | None):

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from linkctl.commands.common import JsonOpt, ProfileOpt, load
+from linkctl.commands.common import CalibrationOpt, JsonOpt, ProfileOpt, load
 
 ModelOpt = Annotated[
     Path,
@@ -86,14 +86,7 @@ def register(app: typer.Typer) -> None:
                 "instead of using the profile's memory_gb.",
             ),
         ] = False,
-        calibration: Annotated[
-            list[Path] | None,
-            typer.Option(
-                "--calibration",
-                help="Extra calibration.json (e.g. copied from the rpc host); repeatable.",
-                show_default=False,
-            ),
-        ] = None,
+        calibration: CalibrationOpt = None,
         output: Annotated[
             int,
             typer.Option(

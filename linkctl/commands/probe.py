@@ -83,6 +83,18 @@ def register(app: typer.Typer) -> None:
         no_throughput: Annotated[
             bool, typer.Option("--no-throughput", help="Skip the iperf3 runs.")
         ] = False,
+        max_age: Annotated[
+            float | None,
+            typer.Option(
+                "--max-age",
+                metavar="SECONDS",
+                help="Probe only the peers without a passing report younger than SECONDS "
+                "(the others' reports are reused as they are). The head's serve unit runs "
+                "this before every start, so a restart a day later re-probes.",
+                min=0,
+                show_default=False,
+            ),
+        ] = None,
     ) -> None:
         """Verify and measure the link: NIC, peer ARP/MAC, path MTU, RTT, throughput, RPC.
 
@@ -97,6 +109,8 @@ def register(app: typer.Typer) -> None:
 
         prof, me, backend = load_with_host(profile, host)
         peers = choose_peers(prof, me, peer)
+        if max_age is not None:
+            peers = _stale(prof, peers, max_age, json_)
         reports = []
         for p in peers:
             progress = None if json_ else _IperfProgress()
@@ -123,7 +137,7 @@ def register(app: typer.Typer) -> None:
         if json_:
             data = [r.to_json() for r in reports]
             print_json(data[0] if len(data) == 1 else data)
-        code = max(r.exit_code for r in reports)
+        code = max((r.exit_code for r in reports), default=0)
         if code:
             raise typer.Exit(code)
 
@@ -132,7 +146,9 @@ def register(app: typer.Typer) -> None:
         """Serve the probe's peer side on this host's link address: a TCP echo for
         latency and `iperf3 -s` for throughput. Runs until SIGTERM/Ctrl-C.
 
-        The rpc host's boot service runs it beside rpc-server.
+        Every host of the pair runs one (`linkctl up` and the boot services start it):
+        each host's probe measures against the other's. Its banner also hands the peer
+        this host's calibration, which the peer's probe stores.
 
         Example:
           linkctl responder --profile dgx-mac
@@ -140,11 +156,19 @@ def register(app: typer.Typer) -> None:
         import json
         import sys
 
+        from linkctl.core.records import calibration_of
         from linkctl.probe.responder import Responder
 
         prof, me, backend = load_with_host(profile, host)
         spec = prof.probe
-        r = Responder(me.ip, spec.responder_port, spec.iperf_port, runner=backend.runner)
+        r = Responder(
+            me.ip,
+            spec.responder_port,
+            spec.iperf_port,
+            runner=backend.runner,
+            host=me.name,
+            calibration=lambda: calibration_of(me.name),
+        )
 
         def ready(info: dict) -> None:
             if json_:
@@ -161,6 +185,27 @@ def register(app: typer.Typer) -> None:
         r.serve_forever(ready)
         if not json_:
             console.print(f"responder {me.name}: stopped", markup=False)
+
+
+def _stale(prof, peers, max_age: float, quiet: bool) -> list:
+    """The peers whose latest report failed, is missing or is older than ``max_age``."""
+    import time
+
+    from linkctl.core.records import latest_probe
+
+    out = []
+    for p in peers:
+        found = latest_probe(prof.name, p.name, p.ip)
+        if found is not None and found[2].ok and time.time() - found[0] <= max_age:
+            if not quiet:
+                console.print(
+                    f"probe -> {p.name}: {found[1]} passed {time.time() - found[0]:.0f} s ago "
+                    f"(--max-age {max_age:g}): not probed again",
+                    markup=False,
+                )
+            continue
+        out.append(p)
+    return out
 
 
 if TYPE_CHECKING:

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from linkctl.commands.common import DryRunOpt, HostOpt, JsonOpt, ProfileOpt, load_with_host
+from linkctl.commands.common import (
+    CalibrationOpt,
+    DryRunOpt,
+    HostOpt,
+    JsonOpt,
+    ProfileOpt,
+    load_with_host,
+)
 from linkctl.core.output import console, print_json, warn_line
 
 if TYPE_CHECKING:
@@ -74,15 +80,7 @@ def register(app: typer.Typer) -> None:
                 show_default=False,
             ),
         ] = None,
-        calibration: Annotated[
-            list[Path] | None,
-            typer.Option(
-                "--calibration",
-                help="Extra calibration.json for the estimate (e.g. copied from the rpc "
-                "host); repeatable.",
-                show_default=False,
-            ),
-        ] = None,
+        calibration: CalibrationOpt = None,
         verify: Annotated[
             bool,
             typer.Option(
@@ -165,7 +163,7 @@ def register(app: typer.Typer) -> None:
         auth.serve_auth(prof)  # an open API is refused before anything starts
         bins.need("llama-server")
         run.model_path_check(model or prof.serve.model)
-        _probe_gate(prof, h, skip_probe)
+        _probe_gate(prof, h, backend, skip_probe)
         choice = head_split()
         plan = sv.build_plan(prof, h, bins, model, choice)
         if json_:
@@ -175,14 +173,23 @@ def register(app: typer.Typer) -> None:
         raise typer.Exit(run.run_head(plan, prof, bins, wait_s=wait, split=choice))
 
 
-def _probe_gate(prof: Profile, h: HostSpec, skip_probe: bool) -> None:
-    """The head serves only over a link with a passing probe report (or --skip-probe)."""
+def _probe_gate(prof: Profile, h: HostSpec, backend: Backend, skip_probe: bool) -> None:
+    """The head serves only over a link with a passing probe report (or --skip-probe);
+    as root (launchd's serve, `sudo linkctl serve`) a report that has aged is probed
+    again. systemd's serve unit runs without privileges: its ExecStartPre does that."""
+    from linkctl.core.privilege import is_root
+    from linkctl.probe import probe_again
     from linkctl.serve.run import probe_gate
 
     if skip_probe:
         warn_line("--skip-probe: serving without a passing probe report for this link")
         return
-    for line in probe_gate(prof, h):
+
+    def reprobe(peer: HostSpec):
+        sys.stderr.write(f"linkctl: probing {peer.name} again: its report has aged\n")
+        return probe_again(prof, h, peer, backend)
+
+    for line in probe_gate(prof, h, reprobe=reprobe if is_root() else None):
         sys.stderr.write(f"linkctl: {line}\n")
 
 
@@ -237,5 +244,5 @@ def _serve_disaggregated(
     model_path_check(plan.decode.model)
     assert auth is not None
     sys.stderr.write(f"linkctl: {auth.summary().replace('llama-server', 'route')}\n")
-    _probe_gate(prof, h, skip_probe)
+    _probe_gate(prof, h, backend, skip_probe)
     raise typer.Exit(run.run_decode(plan, prof))

@@ -6,7 +6,14 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from linkctl.commands.common import DryRunOpt, HostOpt, JsonOpt, ProfileOpt, load_with_host
+from linkctl.commands.common import (
+    CalibrationOpt,
+    DryRunOpt,
+    HostOpt,
+    JsonOpt,
+    ProfileOpt,
+    load_with_host,
+)
 from linkctl.core.output import console, print_json, verdict_lines
 
 if TYPE_CHECKING:
@@ -98,6 +105,7 @@ def register(app: typer.Typer) -> None:
         tokens: Annotated[
             int, typer.Option("--tokens", help="Tokens generated per fixed prompt.")
         ] = 24,
+        calibration: CalibrationOpt = None,
         dry_run: DryRunOpt = False,
         json_: JsonOpt = False,
     ) -> None:
@@ -134,7 +142,12 @@ def register(app: typer.Typer) -> None:
             )
         bins = find_bins(h.llama_bin_dir)
         opts = VerifyOptions(
-            model=model, reference=reference, backends=backends, n_predict=tokens, split_spec=split
+            model=model,
+            reference=reference,
+            backends=backends,
+            n_predict=tokens,
+            split_spec=split,
+            calibration=calibration,
         )
         code = run_verify(prof, opts, bins, json_=json_, dry_run=dry_run)
         if code:

@@ -48,3 +48,16 @@ class Check:
         d = asdict(self)
         d["verdict"] = self.verdict.value
         return d
+
+
+def failed_text(checks: Iterable[Check]) -> str:
+    """'tcp rtt 1 B (7310 vs limit 5000), ...': the failed checks with figure and limit."""
+    out = []
+    for c in checks:
+        if c.verdict is not Verdict.FAIL:
+            continue
+        value, limit = c.value, c.threshold
+        numbers = isinstance(value, int | float) and isinstance(limit, int | float)
+        figures = f" ({value:g} vs limit {limit:g})" if numbers else ""
+        out.append(f"{c.name}{figures}")
+    return ", ".join(out)

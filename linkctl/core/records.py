@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from linkctl.core.checks import Check, Verdict
+from linkctl.core.checks import Check, Verdict, failed_text
 from linkctl.core.errors import InputError
 from linkctl.core.paths import state_dir, write_atomic
 
@@ -110,8 +110,34 @@ class RttStats(_Part):
     samples: int | None = None
 
 
+class CalibrationRecord(_Part):
+    """The terms `linkctl calibrate` measured on one host (plus the raw runs)."""
+
+    host: str | None = None
+    device: str | None = None
+    measured_at: str | None = None
+    model_name: str | None = None
+    # The llama-server build measured (its --version line): `linkctl up` calibrates
+    # again when the host's build is another one.
+    build: str | None = None
+    layer_us: float | None = None
+    effective_bandwidth_gbs: float | None = None
+    effective_tflops: float | None = None
+    rpc_effective_bandwidth_gbs: float | None = None
+    rpc_overhead_us: float | None = None
+
+    def terms(self) -> CalibrationRecord:
+        """The record without its raw runs: what the responder hands the peer (the
+        estimate reads only the terms)."""
+        return CalibrationRecord.model_validate(
+            self.model_dump(include=set(CalibrationRecord.model_fields), exclude_none=True)
+        )
+
+
 class ResponderInfo(_Part):
-    """The banner the peer's `linkctl responder` sends on connect (probe.responder.info)."""
+    """The banner the peer's `linkctl responder` sends on connect (probe.responder.info),
+    with the peer's own calibration when it has one: how a calibration reaches the other
+    host of the pair (the probe stores it, see probe.report.save)."""
 
     service: str | None = None
     protocol: int | None = None
@@ -121,6 +147,8 @@ class ResponderInfo(_Part):
     iperf_running: bool = False
     iperf_pid: int | None = None
     iperf_restarts: int | None = None
+    host: str | None = None
+    calibration: CalibrationRecord | None = None
 
 
 class IcmpStats(_Part):
@@ -216,6 +244,11 @@ class ProbeRecord(Record):
     @property
     def failed(self) -> list[str]:
         return [c.name for c in self.checks if c.verdict is Verdict.FAIL]
+
+    def why_not(self) -> str:
+        """Why it did not pass, in one line: the stop reason, else the failed checks with
+        their figures and limits ("" when it passed)."""
+        return self.stopped or failed_text(self.checks)
 
     def runs(self) -> dict[str, ThroughputRun]:
         return {k: v for k, v in self.throughput.items() if isinstance(v, ThroughputRun)}
@@ -313,20 +346,6 @@ def latest_probe(
 # ---- calibration -----------------------------------------------------------------
 
 
-class CalibrationRecord(_Part):
-    """The terms `linkctl calibrate` measured on one host (plus the raw runs)."""
-
-    host: str | None = None
-    device: str | None = None
-    measured_at: str | None = None
-    model_name: str | None = None
-    layer_us: float | None = None
-    effective_bandwidth_gbs: float | None = None
-    effective_tflops: float | None = None
-    rpc_effective_bandwidth_gbs: float | None = None
-    rpc_overhead_us: float | None = None
-
-
 class CalibrationFile(Record):
     hosts: dict[str, CalibrationRecord] = Field(default_factory=dict)
 
@@ -354,6 +373,12 @@ def load_calibrations(extra: list[Path] | None = None) -> dict[str, CalibrationR
             continue
         out.update(load_calibration_file(p).hosts)
     return out
+
+
+def calibration_of(host: str) -> CalibrationRecord | None:
+    """``host``'s record in this host's calibration file (None: no file, or no record)."""
+    path = calibration_path()
+    return load_calibration_file(path).hosts.get(host) if path.is_file() else None
 
 
 def kept_calibrations() -> dict[str, CalibrationRecord]:

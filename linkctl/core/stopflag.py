@@ -78,3 +78,19 @@ def stop_on_signals() -> Iterator[StopFlag]:
         for sig, h in old.items():
             signal.signal(sig, h)
         flag.close()
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Within the block SIGTERM raises KeyboardInterrupt, as Ctrl-C does, so a command
+    that must undo what it did on the way out (`linkctl up`, the boot lab) unwinds for
+    either; the old handler comes back afterwards."""
+
+    def on_term(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)

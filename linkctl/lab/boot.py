@@ -21,6 +21,7 @@ from pathlib import Path
 from linkctl.core.errors import InputError
 from linkctl.core.profile import Profile, parse_profile
 from linkctl.core.runner import Result, Runner, default_runner
+from linkctl.core.stopflag import sigterm_as_interrupt
 from linkctl.lab import netns
 from linkctl.lab.container import Bind, Container
 from linkctl.lab.rootfs import VENV, Image, Log, quiet
@@ -33,20 +34,16 @@ def cleanup_on_exit(fns: list[Callable[[], object]]) -> Iterator[None]:
     """Run ``fns`` in reverse order at the end of the block, whatever ends it (SIGTERM
     is turned into KeyboardInterrupt for the block's duration so it unwinds too)."""
 
-    def on_term(signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGTERM, on_term)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    with sigterm_as_interrupt():
         try:
+            yield
+        finally:
+            # No second interrupt while the cleanup runs; sigterm_as_interrupt puts the
+            # old handler back afterwards.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             for fn in reversed(fns):
                 with contextlib.suppress(Exception):
                     fn()
-        finally:
-            signal.signal(signal.SIGTERM, old)
 
 
 def boot_profile_text(lab_profile_path: Path, model: str | None) -> str:

@@ -15,7 +15,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from linkctl.core.checks import Check, Verdict
+from linkctl.core.checks import Check, Verdict, failed_text
 from linkctl.core.errors import CheckFailed
 from linkctl.core.records import ProbeRecord, parse
 from linkctl.core.runner import Result
@@ -173,18 +173,6 @@ def doctor_checks_of(rows: list[dict[str, Any]]) -> list[Check]:
         )
         for r in rows
     ]
-
-
-def failed_text(checks: list[Check]) -> str:
-    """'tcp rtt 1 B (7310 vs limit 5000), ...': the failed checks with figure and limit."""
-    out = []
-    for c in checks:
-        if c.verdict is not Verdict.FAIL:
-            continue
-        value, limit = c.value, c.threshold
-        figures = "" if value is None or limit is None else f" ({value:g} vs limit {limit:g})"
-        out.append(f"{c.name}{figures}")
-    return ", ".join(out)
 
 
 class ProbeOutcome(Enum):

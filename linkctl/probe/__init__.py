@@ -16,6 +16,7 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from linkctl.core.checks import Verdict
@@ -24,7 +25,7 @@ from linkctl.core.profile import HostSpec, Profile
 from linkctl.core.records import RpcPart
 from linkctl.probe.report import ProbeReport
 
-__all__ = ["ProbeReport", "choose_peers", "run_probe"]
+__all__ = ["ProbeReport", "choose_peers", "probe_again", "run_probe"]
 
 
 def choose_peers(profile: Profile, host: HostSpec, peer: str | None = None) -> list[HostSpec]:
@@ -36,6 +37,17 @@ def choose_peers(profile: Profile, host: HostSpec, peer: str | None = None) -> l
     if host.role == "head":
         return list(profile.rpc_hosts)
     return [profile.head]
+
+
+def probe_again(
+    profile: Profile, host: HostSpec, peer: HostSpec, backend: Any
+) -> tuple[ProbeReport, Path]:
+    """A full probe of ``peer``, saved as `linkctl probe` saves it: what serve's gate runs
+    when the report it would gate on has aged (it needs root, as probe does)."""
+    from linkctl.probe.report import save
+
+    report = run_probe(profile, host, peer, backend)
+    return report, save(report)
 
 
 def latency_threshold_us(size: int, max_rtt_p99_us: float, min_gbps: float) -> float:

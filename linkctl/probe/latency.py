@@ -14,11 +14,15 @@ import statistics
 import time
 from typing import Any
 
+from pydantic import ValidationError
+
 from linkctl.core.errors import InputError
 from linkctl.core.records import ResponderInfo, RttStats
 from linkctl.probe.responder import SERVICE
 
 SIZES = (1, 32 * 1024, 128 * 1024)
+# The banner is one JSON line: a few hundred bytes, with a calibration's terms under 1 KiB.
+MAX_BANNER = 16 * 1024
 
 
 class ResponderUnavailable(InputError):
@@ -82,8 +86,8 @@ class EchoClient:
     def _banner(self) -> dict[str, Any]:
         line = b""
         try:
-            while not line.endswith(b"\n") and len(line) < 4096:
-                chunk = self.sock.recv(4096 - len(line))
+            while not line.endswith(b"\n") and len(line) < MAX_BANNER:
+                chunk = self.sock.recv(MAX_BANNER - len(line))
                 if not chunk:
                     break
                 line += chunk
@@ -150,4 +154,21 @@ def measure_rtt(
         res = {str(size): stats_us(client.measure(size, samples, warm)) for size in sizes}
     finally:
         client.close()
-    return res, ResponderInfo.model_validate(client.banner)
+    return res, banner_info(client.banner, client.where)
+
+
+def banner_info(banner: dict[str, Any], where: str) -> ResponderInfo:
+    """The banner as a record. The peer's calibration is a courtesy: one this linkctl
+    cannot read is dropped (the probe still measures), the rest must be a banner."""
+    try:
+        return ResponderInfo.model_validate(banner)
+    except ValidationError:
+        pass
+    try:
+        return ResponderInfo.model_validate({k: v for k, v in banner.items() if k != "calibration"})
+    except ValidationError as e:
+        raise ResponderUnavailable(
+            f"{where} sent a responder banner this linkctl cannot read "
+            f"({e.errors()[0]['loc']}: {e.errors()[0]['msg']})",
+            "run the same linkctl release on both hosts",
+        ) from None

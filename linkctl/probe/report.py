@@ -74,6 +74,11 @@ class ProbeReport:
     def ok(self) -> bool:
         return self.exit_code == 0
 
+    def why_not(self) -> str:
+        """Why the probe did not pass, in one line: the stop reason, else each failed
+        check with its figure and limit ("" when it passed)."""
+        return self.to_record().why_not()
+
     def to_record(self) -> ProbeRecord:
         """The parts as they are (not copied, not re-validated) in the record."""
         return ProbeRecord(
@@ -104,10 +109,38 @@ class ProbeReport:
 
 
 def save(report: ProbeReport) -> Path:
-    """Write the per-peer file and latest.json; returns the per-peer path."""
+    """Write the per-peer file and latest.json, and keep the peer's calibration its
+    responder offered; returns the per-peer path."""
+    from linkctl.core.log import speaker
     from linkctl.core.records import save_probe
 
-    return save_probe(report.to_record())
+    path = save_probe(report.to_record())
+    say = speaker("probe")
+    try:
+        done = carry_calibration(report)
+    except InputError as e:  # the report is saved; the calibration is a courtesy
+        done = f"warning: the peer's calibration not stored: {e.line()}"
+    if done:
+        say(done)
+    return path
+
+
+def carry_calibration(report: ProbeReport) -> str | None:
+    """Store the calibration the peer's responder sent as the peer's record in this
+    host's calibration file, so serve, verify and route here use both hosts' terms.
+    Only a banner that names the peer this probe meant counts; a record equal to the
+    one kept changes nothing. Returns what it did, for the log (None: nothing)."""
+    from linkctl.core.records import calibration_of, save_calibration
+
+    banner = report.latency.responder
+    if banner is None or banner.calibration is None or banner.host != report.peer:
+        return None
+    got = banner.calibration
+    kept = calibration_of(report.peer)
+    if kept is not None and kept.terms() == got:
+        return None
+    save_calibration(report.peer, got)
+    return f"calibration of {report.peer} (measured {got.measured_at}) stored"
 
 
 # ---- Prometheus textfile ------------------------------------------------------------

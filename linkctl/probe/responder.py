@@ -7,7 +7,8 @@ asyncio: a blocking recv/send loop per connection is the lowest-latency echo
 Python can do. SIGTERM (or SIGINT) stops both cleanly.
 
 Protocol: on connect the server sends one JSON line (the banner, so the
-probe knows it reached a linkctl responder and which iperf3 port runs), then
+probe knows it reached a linkctl responder and which iperf3 port runs, and this
+host's calibration terms when it has some: how they reach the other host), then
 echoes every byte it receives until the client closes.
 """
 
@@ -20,9 +21,11 @@ import logging
 import socket
 import subprocess
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from linkctl.core.errors import InputError
+from linkctl.core.records import CalibrationRecord
 from linkctl.core.runner import Runner, default_runner, stop_process
 from linkctl.core.stopflag import stop_on_signals
 
@@ -51,6 +54,8 @@ class Responder:
         *,
         runner: Runner | None = None,
         iperf: bool = True,
+        host: str | None = None,
+        calibration: Callable[[], CalibrationRecord | None] | None = None,
     ):
         try:
             ip = ipaddress.IPv4Address(address)
@@ -67,6 +72,10 @@ class Responder:
         self.address, self.port, self.iperf_port = address, port, iperf_port
         self.runner = runner or default_runner()
         self.iperf = iperf
+        self.host = host
+        # Read at every connect, so a calibration made after the responder started is
+        # what the peer gets.
+        self.calibration = calibration
         self._sock: socket.socket | None = None
         self._stop = threading.Event()
         self._iperf_proc: subprocess.Popen | None = None
@@ -194,12 +203,26 @@ class Responder:
             t = threading.Thread(target=self._echo, args=(conn,), daemon=True)
             t.start()
 
+    def banner(self) -> dict[str, Any]:
+        """info() plus who this is and its calibration terms (a record that cannot be
+        read is left out: the echo must answer whatever the calibration file holds)."""
+        out = {**self.info(), "host": self.host}
+        if self.calibration is not None:
+            try:
+                rec = self.calibration()
+            except InputError as e:
+                log.warning("calibration not offered: %s", e.message)
+                rec = None
+            if rec is not None:
+                out["calibration"] = rec.terms().model_dump(mode="json", exclude_none=True)
+        return out
+
     def _echo(self, conn: socket.socket) -> None:
         self._clients.add(conn)
         try:
             conn.settimeout(None)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.sendall((json.dumps(self.info()) + "\n").encode())
+            conn.sendall((json.dumps(self.banner()) + "\n").encode())
             buf = bytearray(BUF)
             view = memoryview(buf)
             recv_into, sendall = conn.recv_into, conn.sendall

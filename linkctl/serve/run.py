@@ -28,7 +28,13 @@ from linkctl.serve.split import SplitChoice
 from linkctl.serve.supervise import ChildSpec, Policy, Supervisor
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from linkctl.net.backend import Backend
+    from linkctl.probe.report import ProbeReport
+
+    # Probe one peer again and save the report: (the report, where it was saved).
+    Reprobe = Callable[[HostSpec], tuple[ProbeReport, Path]]
 
 
 PROBE_MAX_AGE_S = 24 * 3600
@@ -55,9 +61,13 @@ def probe_gate(
     max_age_s: float = PROBE_MAX_AGE_S,
     now: float | None = None,
     directory: Path | None = None,
+    reprobe: Reprobe | None = None,
 ) -> list[str]:
     """Every rpc host needs a passing probe report for this profile, newer than
-    ``max_age_s``. Returns one summary line per rpc host; raises CheckFailed naming why."""
+    ``max_age_s``. A report that has only aged is probed again with ``reprobe`` when
+    given (a serve restarted a day after its probe must come back, not refuse), and the
+    fresh report decides. Returns one summary line per rpc host; raises CheckFailed
+    naming why."""
     from linkctl.core.records import latest_probe, probe_dir
 
     now = now or time.time()
@@ -68,7 +78,7 @@ def probe_gate(
         if found is None:
             raise CheckFailed(
                 f"no probe report for profile {profile.name!r} and peer {peer.name} in {where}",
-                "run `linkctl probe` first (or pass --skip-probe to serve anyway)",
+                "run `sudo linkctl probe` first (or pass --skip-probe to serve anyway)",
             )
         t, path, r = found
         age = now - t
@@ -77,15 +87,25 @@ def probe_gate(
             raise CheckFailed(
                 f"latest probe report {path} for peer {peer.name} failed"
                 + (f" ({', '.join(failed)})" if failed else ""),
-                "fix the link and rerun `linkctl probe` (or --skip-probe)",
+                "fix the link and rerun `sudo linkctl probe` (or --skip-probe)",
             )
-        if age > max_age_s:
+        if age <= max_age_s:
+            lines.append(f"probe report {path.name} for {peer.name}: ok, {age:.0f} s old")
+            continue
+        old = f"latest probe report {path} for peer {peer.name} is {age / 3600:.1f} h old"
+        if reprobe is None:
             raise CheckFailed(
-                f"latest probe report {path} for peer {peer.name} is {age / 3600:.1f} h old "
-                f"(limit {max_age_s / 3600:g} h)",
-                "rerun `linkctl probe` (or --skip-probe)",
+                f"{old} (limit {max_age_s / 3600:g} h)",
+                "rerun `sudo linkctl probe` (serve run as root probes again by itself; "
+                "or --skip-probe)",
             )
-        lines.append(f"probe report {path.name} for {peer.name}: ok, {age:.0f} s old")
+        fresh, fresh_path = reprobe(peer)
+        if not fresh.ok:
+            raise CheckFailed(
+                f"{old}, and probing it again failed: {fresh.why_not()}",
+                f"fix the link (see {fresh_path}) and start serve again",
+            )
+        lines.append(f"{old}: probed again, ok ({fresh_path.name})")
     return lines
 
 

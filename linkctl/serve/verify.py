@@ -67,6 +67,7 @@ class VerifyOptions:
     logit_bias: list[list[int | bool]] = field(default_factory=list)
     split: SplitChoice | None = None  # None: chosen as `linkctl serve` chooses it
     split_spec: str | None = None  # --split, as serve's
+    calibration: list[Path] | None = None  # --calibration: more than this host's state holds
 
     def check(self) -> None:
         if self.reference not in ("auto", "head", "split"):
@@ -264,7 +265,11 @@ def plan(
 
         opts.logit_bias = [[N_SPECIAL + b, False] for b in range(0x80, 0x100)]
     server = bins.need("llama-server").path
-    choice = opts.split if opts.split is not None else choose_split(prof, model, opts.split_spec)
+    choice = (
+        opts.split
+        if opts.split is not None
+        else choose_split(prof, model, opts.split_spec, calibration=opts.calibration)
+    )
     for note in choice.notes:
         say(f"serve's split: {note}")
     # The head's invocation on loopback, one slot, a small context; -lv 4: llama-server's

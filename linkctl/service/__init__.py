@@ -28,6 +28,7 @@ from linkctl.service.install import (
     MANIFEST,
     ServiceResult,
     install,
+    load_manifest,
     render,
     uninstall,
 )
@@ -42,6 +43,7 @@ from linkctl.service.preflight import (
 )
 from linkctl.service.render import (
     DEFAULT_WAIT_CARRIER_S,
+    ENV,
     LABEL_PREFIX,
     LAUNCHD_DIR,
     LAUNCHD_JOBS,
@@ -60,6 +62,7 @@ from linkctl.service.transaction import Interrupted
 __all__ = [
     "BACKUP_SUFFIX",
     "DEFAULT_WAIT_CARRIER_S",
+    "ENV",
     "LABEL_PREFIX",
     "LAUNCHD_DIR",
     "LAUNCHD_JOBS",
@@ -87,6 +90,7 @@ __all__ = [
     "device_unit",
     "install",
     "label",
+    "load_manifest",
     "manager_for",
     "others_can_reach",
     "render",

@@ -54,6 +54,7 @@ class UnitStatus:
 
 class ServiceManager(Protocol):
     name: str  # "systemd" / "launchd", as recorded in the manifest
+    tool: str  # the command that drives it (systemctl / launchctl)
     # Whether the manager can allocate a throwaway user at start (systemd DynamicUser=).
     dynamic_user: bool
     # Directories the manager needs besides the files' own (launchd opens log files).
@@ -69,12 +70,24 @@ class ServiceManager(Protocol):
         """Unit names or labels, in start order."""
         ...
 
-    def install_commands(self, names: list[str], files: list[FileAction]) -> list[list[str]]:
-        """Commands that load what an install changed and start everything."""
+    def install_commands(
+        self, names: list[str], files: list[FileAction], boot: bool = True
+    ) -> list[list[str]]:
+        """Commands that load what an install changed and start everything (and, with
+        ``boot``, have it start at every boot)."""
         ...
 
     def uninstall_commands(self, names: list[str]) -> tuple[list[list[str]], list[list[str]]]:
         """(stop before the files go, clean up after they are gone)."""
+        ...
+
+    def purge_commands(self, names: list[str]) -> list[list[str]]:
+        """`linkctl down`: remove what the stopped services wrote through the manager
+        (run after the stop, before their files go)."""
+        ...
+
+    def purge_paths(self) -> list[str]:
+        """`linkctl down`: files the manager wrote for the services (logs), to remove."""
         ...
 
     def unit_status(self, runner: Runner, name: str) -> UnitStatus: ...

@@ -187,6 +187,7 @@ def install(
         "profile": profile.name,
         "host": host.name,
         "services": mgr.service_names(),
+        "boot": paths.boot,
         "files": entries,
         "dirs": dirs,
     }
@@ -195,7 +196,9 @@ def install(
     if not (mpath.is_file() and mpath.read_text() == manifest_text):
         tx.write(mpath, manifest_text)
     live = str(root) == "/"
-    result.commands = mgr.install_commands(mgr.service_names(), result.files) if live else []
+    result.commands = (
+        mgr.install_commands(mgr.service_names(), result.files, paths.boot) if live else []
+    )
     if not live:
         result.notes.append(
             f"--root {root}: files only; nothing enabled or started "
@@ -216,8 +219,15 @@ def install(
 
 
 def uninstall(
-    *, root: Path = Path("/"), dry_run: bool = False, runner: Runner | None = None
+    *,
+    root: Path = Path("/"),
+    dry_run: bool = False,
+    runner: Runner | None = None,
+    purge: bool = False,
 ) -> ServiceResult:
+    """Stop the services and remove every file install wrote (restoring what it
+    replaced). ``purge`` (`linkctl down`): also what the stopped services wrote through
+    their manager (systemd's StateDirectory=/CacheDirectory=, launchd's logs)."""
     root = Path(root)
     manifest = load_manifest(root)
     if manifest is None:
@@ -232,7 +242,10 @@ def uninstall(
     stop: list[list[str]] = []
     after: list[list[str]] = []
     if live:
-        stop, after = manager_named(manifest["manager"]).uninstall_commands(names)
+        mgr = manager_named(manifest["manager"])
+        stop, after = mgr.uninstall_commands(names)
+        if purge:
+            stop += mgr.purge_commands(names)
         res.commands = stop + after
     for f in manifest["files"]:
         if f.get("preexisting"):

@@ -14,6 +14,7 @@ from linkctl.service.render import (
     LAUNCHD_JOB_SPEC,
     LAUNCHD_JOBS,
     LAUNCHD_LOG_DIR,
+    LAUNCHD_RUNTIME_DIR,
     label,
     render_launchd,
 )
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 
 class Launchd:
     name = "launchd"
+    tool = "launchctl"  # the command it is driven with
     dynamic_user = False
     # launchd opens the log files, not their directory.
     extra_dirs: tuple[str, ...] = (LAUNCHD_LOG_DIR,)
@@ -37,10 +39,14 @@ class Launchd:
     def service_names(self) -> list[str]:
         return [label(j) for j in LAUNCHD_JOBS]
 
-    def install_commands(self, names: list[str], files: list[FileAction]) -> list[list[str]]:
+    def install_commands(
+        self, names: list[str], files: list[FileAction], boot: bool = True
+    ) -> list[list[str]]:
+        # boot=False needs nothing else: the plists are in LAUNCHD_RUNTIME_DIR, which
+        # launchd does not read at boot.
         cmds: list[list[str]] = []
         for f in files:
-            if not f.path.startswith(LAUNCHD_DIR):
+            if not f.path.startswith((LAUNCHD_DIR, LAUNCHD_RUNTIME_DIR)):
                 continue
             lab = Path(f.path).stem
             if f.action == Action.REMOVE:
@@ -55,6 +61,13 @@ class Launchd:
 
     def uninstall_commands(self, names: list[str]) -> tuple[list[list[str]], list[list[str]]]:
         return [["launchctl", "bootout", f"system/{n}"] for n in reversed(names)], []
+
+    def purge_commands(self, names: list[str]) -> list[list[str]]:
+        return []
+
+    def purge_paths(self) -> list[str]:
+        # launchd itself opens StandardOutPath (render.LAUNCHD_JOB_SPEC's log files).
+        return [f"{LAUNCHD_LOG_DIR}/linkctl-{job}.log" for job in LAUNCHD_JOBS]
 
     def unit_status(self, runner: Runner, name: str) -> UnitStatus:
         r = runner.run(["launchctl", "print", f"system/{name}"], check=False, timeout=15)

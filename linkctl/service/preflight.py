@@ -14,7 +14,7 @@ from linkctl.core.errors import InputError
 from linkctl.core.profile import HostSpec, Profile
 from linkctl.llama.bins import RPC_NAMES
 from linkctl.service.manager import manager_for
-from linkctl.service.render import ServicePaths
+from linkctl.service.render import ENV, ServicePaths
 
 
 def in_root(root: Path, path: str) -> Path:
@@ -136,6 +136,15 @@ def check_paths(
         notes.append(
             f"no rpc-server beside llama-server in {paths.llama_bin_dir}: serve cannot compare "
             "the local RPC protocol version with the rpc hosts'"
+        )
+    if (
+        host.role == "head"
+        and manager_for(host).name == "systemd"
+        and not _is_exe(in_root(root, ENV))
+    ):
+        raise InputError(
+            f"{ENV} is not in {root}: the serve unit re-probes with it",
+            "install coreutils there",
         )
     if host.role == "head":
         from linkctl.serve.auth import serve_auth

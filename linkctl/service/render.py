@@ -15,7 +15,12 @@ from linkctl.core.paths import SYSTEM_PROFILE_DIR, shipped
 from linkctl.core.profile import HostSpec, Profile
 
 UNIT_DIR = "/etc/systemd/system"
+# `linkctl up --no-boot`: where each manager takes services it runs now but forgets at
+# the next boot (systemd.unit(5): /run/systemd/system, "runtime units"; launchd loads
+# only /Library/LaunchDaemons at boot, and macOS empties /var/run then).
+RUNTIME_UNIT_DIR = "/run/systemd/system"
 LAUNCHD_DIR = "/Library/LaunchDaemons"
+LAUNCHD_RUNTIME_DIR = "/var/run/linkctl/launchd"
 LAUNCHD_LOG_DIR = "/Library/Logs"
 PROFILE_DIR = str(SYSTEM_PROFILE_DIR)
 STATE_DIR = "/var/lib/linkctl"
@@ -25,6 +30,8 @@ LABEL_PREFIX = "com.linkctl."
 DEFAULT_WAIT_CARRIER_S = 120.0
 # launchd's PATH is /usr/bin:/bin:/usr/sbin:/sbin; iperf3 comes from Homebrew.
 LAUNCHD_PATH = "/opt/homebrew/bin:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"
+# The head's serve unit sets the state directory of its re-probe with env(1).
+ENV = "/usr/bin/env"
 GENERATED = "Rendered by `linkctl service install`; edit the template, not this file."
 
 
@@ -57,6 +64,20 @@ class ServicePaths:
     # Linux: None = DynamicUser; "root" = root without capabilities; else User=NAME.
     # macOS: None/"root" = root; else UserName=NAME.
     serve_user: str | None = None
+    # False: run now, not at boot (`linkctl up --no-boot`): the files go where the
+    # manager forgets them at the next boot.
+    boot: bool = True
+    # How old the head's probe report may be when serve (re)starts: older, its serve
+    # unit probes again first (linkctl.serve.run.PROBE_MAX_AGE_S).
+    probe_max_age_s: float = 24 * 3600
+
+
+def unit_dir(paths: ServicePaths) -> str:
+    return UNIT_DIR if paths.boot else RUNTIME_UNIT_DIR
+
+
+def launchd_dir(paths: ServicePaths) -> str:
+    return LAUNCHD_DIR if paths.boot else LAUNCHD_RUNTIME_DIR
 
 
 _PLACEHOLDER = re.compile(r"\{([a-z_]+)\}")
@@ -123,6 +144,25 @@ def _ip_filter(profile: Profile, host: HostSpec, kind: str) -> str:
     return "# Traffic only over the direct link (and loopback).\n" + allow
 
 
+def _reprobe(profile: Profile, host: HostSpec, paths: ServicePaths) -> str:
+    """The head's serve unit: probe again before a start when the report has aged.
+    "+": this one command runs as root with CAP_NET_RAW (the probe's ARP), outside the
+    sandbox (systemd.service(5), ExecStart= prefixes); serve itself stays unprivileged.
+    It writes where the link unit's probe writes; serve reads that through the bind."""
+    if host.role != "head":
+        return "# An rpc host serves without a probe gate: nothing to probe before a start."
+    argv = [
+        ENV,
+        f"LINKCTL_STATE_DIR={paths.state_dir}",
+        *_argv(paths, "probe", host, "--max-age", f"{paths.probe_max_age_s:g}"),
+    ]
+    return (
+        "# A restart after the probe report has aged (a crash a day later) probes again\n"
+        "# first instead of refusing; a failing probe fails the start, and Restart= retries.\n"
+        f"ExecStartPre=+{systemd_cmd(argv)}"
+    )
+
+
 def _identity(paths: ServicePaths) -> str:
     user = paths.serve_user
     if user is None:
@@ -173,6 +213,7 @@ def render_systemd(profile: Profile, host: HostSpec, paths: ServicePaths) -> dic
             **common,
             "serve_what": serve_what,
             "serve_cmd": systemd_cmd(cmds["serve"]),
+            "reprobe": _reprobe(profile, host, paths),
             "serve_state_dir": "/var/lib/linkctl-serve",
             "cache_dir": "/var/cache/linkctl-serve",
             "llama_bin_dir": systemd_quote(paths.llama_bin_dir),
@@ -184,7 +225,7 @@ def render_systemd(profile: Profile, host: HostSpec, paths: ServicePaths) -> dic
     out = {}
     for unit in SYSTEMD_UNITS:
         text = (tdir / f"{unit}.in").read_text()
-        out[f"{UNIT_DIR}/{unit}"] = fill(text, values[unit], f"systemd/{unit}.in")
+        out[f"{unit_dir(paths)}/{unit}"] = fill(text, values[unit], f"systemd/{unit}.in")
     return out
 
 
@@ -239,5 +280,7 @@ def render_launchd(profile: Profile, host: HostSpec, paths: ServicePaths) -> dic
             "process_type": ptype,
             "log_path": f"{LAUNCHD_LOG_DIR}/linkctl-{job}.log",
         }
-        out[f"{LAUNCHD_DIR}/{label(job)}.plist"] = fill(text, values, "launchd plist template")
+        out[f"{launchd_dir(paths)}/{label(job)}.plist"] = fill(
+            text, values, "launchd plist template"
+        )
     return out

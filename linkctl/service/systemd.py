@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from linkctl.service.base import Action, FileAction, UnitStatus
-from linkctl.service.render import SYSTEMD_UNITS, UNIT_DIR, render_systemd
+from linkctl.service.render import RUNTIME_UNIT_DIR, SYSTEMD_UNITS, UNIT_DIR, render_systemd
 
 if TYPE_CHECKING:
     from linkctl.core.profile import HostSpec, Profile
@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 class Systemd:
     name = "systemd"
+    tool = "systemctl"  # the command it is driven with
     dynamic_user = True
     extra_dirs: tuple[str, ...] = ()
     start_hint = "systemctl enable --now"
@@ -26,14 +27,20 @@ class Systemd:
     def service_names(self) -> list[str]:
         return list(SYSTEMD_UNITS)
 
-    def install_commands(self, names: list[str], files: list[FileAction]) -> list[list[str]]:
+    def install_commands(
+        self, names: list[str], files: list[FileAction], boot: bool = True
+    ) -> list[list[str]]:
         changed = [f for f in files if f.action != Action.UNCHANGED]
         cmds: list[list[str]] = []
         if changed:
             cmds.append(["systemctl", "daemon-reload"])
-        # --no-block: the link unit's gate may wait minutes for the peer.
-        cmds.append(["systemctl", "enable", "--now", "--no-block", *names])
-        units_changed = [Path(f.path).name for f in changed if f.path.startswith(UNIT_DIR)]
+        # --no-block: the link unit's gate may wait minutes for the peer. Runtime units
+        # (no boot) are started, never enabled: nothing of them survives a reboot.
+        start = ["enable", "--now"] if boot else ["start"]
+        cmds.append(["systemctl", *start, "--no-block", *names])
+        units_changed = [
+            Path(f.path).name for f in changed if f.path.startswith((UNIT_DIR, RUNTIME_UNIT_DIR))
+        ]
         if units_changed:
             cmds.append(["systemctl", "try-restart", "--no-block", *units_changed])
         return cmds
@@ -43,6 +50,15 @@ class Systemd:
             [["systemctl", "disable", "--now", *names]],
             [["systemctl", "daemon-reload"], ["systemctl", "reset-failed", *names]],
         )
+
+    def purge_commands(self, names: list[str]) -> list[list[str]]:
+        # What the stopped units wrote themselves (StateDirectory=, CacheDirectory=; with
+        # DynamicUser= under /var/lib/private): systemctl clean removes exactly those.
+        # The link unit's StateDirectory=linkctl is the one state: `down` restores it.
+        return [["systemctl", "clean", "--what=state", "--what=cache", "linkctl-serve.service"]]
+
+    def purge_paths(self) -> list[str]:
+        return []
 
     def unit_status(self, runner: Runner, name: str) -> UnitStatus:
         r = runner.run(

@@ -182,7 +182,22 @@ def test_systemd_units_say_what_the_issue_asks(tmp_path):
         assert serve["Unit.Requires"] == ["linkctl-link.service"]
         assert "linkctl-link.service" in serve["Unit.After"][0]
         assert serve["Service.Restart"] == ["on-failure"] and serve["Service.RestartSec"]
-        assert serve["Unit.StartLimitBurst"] and serve["Unit.StartLimitIntervalSec"]
+        # No start limit: a pair that was down (a failing re-probe) comes back by itself.
+        assert serve["Unit.StartLimitIntervalSec"] == ["0"]
+        binds = [b.split(":")[1] for b in serve["Service.BindReadOnlyPaths"]]
+        assert binds == [
+            "/var/lib/linkctl-serve/probe",
+            "/var/lib/linkctl-serve/calibration.json",
+        ]
+        if host.role == "head":
+            # A restart after the report aged probes again, privileged ("+"), first.
+            (pre,) = serve["Service.ExecStartPre"]
+            assert pre.startswith("+")
+            argv = shlex.split(pre[1:])
+            assert argv[:2] == [svc.ENV, "LINKCTL_STATE_DIR=/var/lib/linkctl"]
+            assert argv[2:4] == [LINKCTL, "probe"] and argv[-2:] == ["--max-age", "86400"]
+        else:
+            assert "Service.ExecStartPre" not in serve
         assert serve["Service.CapabilityBoundingSet"] == [""]
         assert serve["Service.DynamicUser"] == ["yes"]
         assert shlex.split(serve["Service.ExecStart"][0])[1] == "serve"

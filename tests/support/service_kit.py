@@ -26,9 +26,14 @@ LLAMA = "/opt/llama/bin"
 
 def make_target(root: Path, *, bins: tuple[str, ...] = ("ggml-rpc-server", "llama-server")) -> Path:
     """A stand-in for the target machine: linkctl (a script whose interpreter exists),
-    and the llama.cpp binaries, where the units will run them."""
+    the llama.cpp binaries, where the units will run them, and env(1), which the head's
+    serve unit runs its re-probe with (every Linux has it: coreutils)."""
     root.mkdir(parents=True, exist_ok=True)
-    files = {PYTHON: b"\x7fELF stand-in interpreter\n", LINKCTL: f"#!{PYTHON}\n".encode()}
+    files = {
+        PYTHON: b"\x7fELF stand-in interpreter\n",
+        LINKCTL: f"#!{PYTHON}\n".encode(),
+        svc.ENV: b"\x7fELF stand-in env\n",
+    }
     files.update({f"{LLAMA}/{b}": b"\x7fELF stand-in\n" for b in bins})
     for path, data in files.items():
         p = root / path.lstrip("/")
