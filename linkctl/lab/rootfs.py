@@ -37,7 +37,7 @@ WORK = Path("/var/tmp/linkctl-boot")  # per run: linkctl's wheel, one directory 
 VENV = "/opt/linkctl"  # linkctl inside the containers: /opt/linkctl/bin/linkctl
 # What each container runs: systemd and udev (PID 1, device units), python3 + venv
 # (linkctl), iproute2/iperf3/ping (setup, probe, responder), libgomp1 (llama.cpp's
-# OpenMP build).
+# OpenMP build), curl (the first request `linkctl up` tells its owner to send).
 PACKAGES = (
     "systemd",
     "systemd-sysv",
@@ -49,6 +49,7 @@ PACKAGES = (
     "iperf3",
     "iputils-ping",
     "libgomp1",
+    "curl",
 )
 NM_PACKAGES = ("network-manager",)
 # Only 99-systemd.rules (TAG+="systemd" on net devices) is kept; every other rule

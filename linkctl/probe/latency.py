@@ -154,7 +154,7 @@ def measure_rtt(
         res = {str(size): stats_us(client.measure(size, samples, warm)) for size in sizes}
     finally:
         client.close()
-    return res, banner_info(client.banner, client.where)
+    return res, banner_info(client.banner, f"{peer_name} ({peer_ip}:{port})")
 
 
 def banner_info(banner: dict[str, Any], where: str) -> ResponderInfo:

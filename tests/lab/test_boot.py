@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -28,13 +27,11 @@ import pytest
 
 from linkctl.core.profile import load_profile
 from linkctl.core.runner import Result
-from linkctl.gguf.tiny import TinySpec, write_tiny_llama
 from linkctl.lab import boot, netns, rootfs
 from linkctl.lab.container import Container
 from linkctl.service import device_unit
 from support import boot_kit as kit
-from support.cli import need_root_netns, need_tool
-from support.llama_util import need_llama
+from support.cli import need_tool
 
 pytestmark = [pytest.mark.netns, pytest.mark.llama]
 
@@ -100,38 +97,6 @@ def _figures():
     yield
     if FIGURES:
         say("boot figures: " + json.dumps(FIGURES, indent=1))
-
-
-@pytest.fixture(scope="module")
-def host_before():
-    need_root_netns()
-    return kit.host_snapshot()
-
-
-@pytest.fixture(scope="module")
-def image(host_before):
-    need_tool("mmdebstrap")
-    need_tool("systemd-nspawn")
-    need_llama()
-    t0 = time.monotonic()
-    img = rootfs.prepare(log=say)
-    record(
-        "prepare (rootfs + deps layer cached after the first run; linkctl wheel)",
-        time.monotonic() - t0,
-    )
-    yield img
-    img.discard()
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    d = tmp_path_factory.mktemp("model")
-    path = d / "tiny.gguf"
-    write_tiny_llama(path, TinySpec(n_layer=4, n_embd=128, n_ff=256))
-    # Readable by the serve unit's DynamicUser through the read-only bind.
-    os.chmod(d, 0o755)
-    os.chmod(path, 0o644)
-    return path
 
 
 def wait_answers(bl: boot.BootLab, what: str, timeout: float = DEADLINE) -> float:

@@ -195,3 +195,90 @@ def wait_for(pred: Callable[[], object], timeout: float, what: str, step: float 
 def answers(bl: BootLab) -> dict | None:
     """A completion through the head's llama-server (None when the pair does not answer)."""
     return completion(bl.containers[bl.profile.head.name], bl.profile.serve.port)
+
+
+# ---- a booted host's own state -------------------------------------------------------
+
+# Inside a container: every file and directory under ROOTS (type, mode, owner, and a
+# file's hash or a link's target), as JSON. What changes by itself between two reads
+# on an idle booted Debian is left out (each named with why): the journal and logs,
+# systemd's own timer stamps, random seed and credentials, and ldconfig's cache.
+TREE = r"""
+import hashlib, json, os, stat, sys
+roots, skip = sys.argv[1].split(","), tuple(sys.argv[2].split(","))
+out = {}
+for root in roots:
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not os.path.join(dirpath, d).startswith(skip)]
+        for name in [*dirnames, *filenames]:
+            p = os.path.join(dirpath, name)
+            if p.startswith(skip):
+                continue
+            st = os.lstat(p)
+            e = [stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid]
+            if stat.S_ISLNK(st.st_mode):
+                e.append(os.readlink(p))
+            elif stat.S_ISREG(st.st_mode):
+                with open(p, "rb") as f:
+                    e.append(hashlib.sha256(f.read()).hexdigest())
+            out[p] = e
+print(json.dumps(out))
+"""
+STATE_ROOTS = ("/etc", "/var/lib", "/var/cache", "/run/systemd/system", "/run/linkctl", "/srv")
+STATE_SKIP = (
+    "/var/lib/systemd/timers",  # timer stamps
+    "/var/lib/systemd/random-seed",  # rewritten at boot and shutdown
+    "/var/lib/systemd/credential.secret",
+    "/var/lib/systemd/catalog",
+    "/var/lib/systemd/coredump",
+    "/var/cache/ldconfig",
+    "/var/lib/dhcp",
+)
+
+
+def host_state(c: Container) -> dict[str, object]:
+    """A booted host as `linkctl down` must leave it: the files under STATE_ROOTS, the
+    links, addresses and routes of its namespace, linkctl's units (loaded or as files)
+    and the processes linkctl starts."""
+    tree = c.exec(
+        ["python3", "-c", TREE, ",".join(STATE_ROOTS), ",".join(STATE_SKIP)], timeout=120
+    )
+
+    def ip(*args: str) -> object:
+        return json.loads(c.exec(["ip", "-j", *args], timeout=30).stdout or "[]")
+
+    links = [
+        {k: link.get(k) for k in ("ifname", "mtu", "flags", "operstate", "address")}
+        for link in ip("link", "show")
+    ]
+    units = c.exec(
+        ["systemctl", "list-units", "--all", "--no-legend", "--plain", "linkctl*"], timeout=30
+    ).stdout.split("\n")
+    unit_files = c.exec(
+        ["systemctl", "list-unit-files", "--no-legend", "linkctl*"], check=False, timeout=30
+    ).stdout.split("\n")
+    procs = c.exec(["python3", "-c", PROCS], timeout=30).stdout.split()
+    return {
+        "files": json.loads(tree.stdout),
+        "links": links,
+        "addrs": ip("addr", "show"),
+        "routes": ip("route", "show", "table", "all"),
+        "units": sorted(u for u in units if u.strip()),
+        "unit_files": sorted(u for u in unit_files if u.strip()),
+        "processes": sorted(procs),
+    }
+
+
+# The processes linkctl runs or starts, by name (comm), wherever they are.
+PROCS = r"""
+import os
+names = ("linkctl", "ggml-rpc-server", "llama-server", "iperf3")
+for p in os.listdir("/proc"):
+    if p.isdigit():
+        try:
+            comm = open(f"/proc/{p}/comm").read().strip()
+        except OSError:
+            continue
+        if comm in names or comm.startswith("linkctl"):
+            print(comm)
+"""
