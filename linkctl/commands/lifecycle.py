@@ -10,8 +10,13 @@ from linkctl.commands.common import DryRunOpt, HostOpt, JsonOpt, ProfileOpt
 from linkctl.core.output import console, print_json
 
 
-def _host(profile: str | None, host: str | None):
+def _host(profile: str | None, host: str | None, why: str):
+    """(profile, its path, this host, backend), after the one-line refusal of a user
+    who is not root: before anything else, the profile's own path included."""
     from linkctl.commands.common import load
+    from linkctl.core.privilege import require_root
+
+    require_root(why)
     from linkctl.net.backend import get_backend
     from linkctl.net.link import identify_host
 
@@ -96,7 +101,9 @@ def register(app: typer.Typer) -> None:
         from linkctl.lifecycle.up import UpOptions
         from linkctl.lifecycle.up import up as run_up
 
-        prof, path, h, backend = _host(profile, host)
+        prof, path, h, backend = _host(
+            profile, host, "up configures the link and installs the services"
+        )
         opts = UpOptions(
             boot=not no_boot,
             wait_s=wait,
@@ -124,5 +131,7 @@ def register(app: typer.Typer) -> None:
         from linkctl.core.log import speaker
         from linkctl.lifecycle.down import down as run_down
 
-        prof, _path, h, backend = _host(profile, host)
+        prof, _path, h, backend = _host(
+            profile, host, "down removes the services and the link configuration"
+        )
         _show(run_down(prof, h, backend, say=speaker("down"), dry_run=dry_run), json_)

@@ -72,7 +72,7 @@ def down(
     rec = up_record.load_record(prof.name, h.name)
     run_stage(res.stages, say, "services", lambda: _services(prof, h, res, runner, dry_run, root))
     run_stage(res.stages, say, "link", lambda: _link(prof, h, backend, dry_run))
-    run_stage(res.stages, say, "state", lambda: _state(rec, dry_run))
+    run_stage(res.stages, say, "state", lambda: _state(rec, dry_run, root))
     return res
 
 
@@ -90,7 +90,7 @@ def _services(
             f"{prof.name}/{h.name}: left as they are"
         )
         return False, f"none of {prof.name}/{h.name} installed"
-    r = svc.uninstall(root=root, dry_run=dry_run, runner=runner, purge=True)
+    r = svc.uninstall(root=root, dry_run=dry_run, runner=runner, purge=True, live=True)
     gone = ", ".join(f"{f.action} {f.path}" for f in r.files)
     head = "would stop and remove" if dry_run else "stopped and removed"
     return True, f"{head} ({r.manager}): {gone}"
@@ -106,18 +106,20 @@ def _link(prof: Profile, h: HostSpec, backend: Backend, dry_run: bool) -> tuple[
     return True, f"{h.interface}: {head} " + "; ".join(c.summary for c in r.plan.changes)
 
 
-def _state(rec: up_record.UpRecord | None, dry_run: bool) -> tuple[bool, str]:
+def _state(rec: up_record.UpRecord | None, dry_run: bool, root: Path) -> tuple[bool, str]:
+    from linkctl.service import in_root
+
     if rec is None:
         return False, "no up record: the state directory is left as it is"
     if dry_run:
         remove, put_back, kept = up_record.restore_plan(rec)
-        absent = [p for p in rec.absent_before if Path(p).exists()]
+        absent = [p for p in rec.absent_before if in_root(root, p).exists()]
         return True, (
             f"would remove {len(remove)} file(s) and {len(absent)} path(s) the services made, "
             f"put back {len(put_back)}" + (f"; would keep {'; '.join(kept)}" if kept else "")
         )
     remove, put_back, kept = up_record.restore(rec)
-    gone = up_record.remove_absent(rec.absent_before)
+    gone = up_record.remove_absent([str(in_root(root, p)) for p in rec.absent_before])
     detail = (
         f"as before up: removed {len(remove)} file(s) up and the services wrote, "
         f"put back {len(put_back)}"

@@ -92,10 +92,10 @@ def snapshot(profile: str, host: str) -> StateBefore:
     root = state_dir()
     if not root.is_dir():
         return StateBefore(existed=False)
-    files, dirs = _walk(root)
-    before = StateBefore(existed=True, dirs=dirs)
+    names, dirs = _walk(root)
+    files: dict[str, FileBefore] = {}
     copies = copies_dir(profile, host)
-    for rel in files:
+    for rel in names:
         p = root / rel
         if p.is_symlink() or not p.is_file():
             continue
@@ -104,10 +104,9 @@ def snapshot(profile: str, host: str) -> StateBefore:
         if small:
             (copies / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(p, copies / rel)
-        before.files[rel] = FileBefore(
-            sha256=_sha256(p), mode=stat.S_IMODE(st.st_mode), copied=small
-        )
-    return before
+        files[rel] = FileBefore(sha256=_sha256(p), mode=stat.S_IMODE(st.st_mode), copied=small)
+    # Given to the constructor, not filled in after: records are written with what was set.
+    return StateBefore(existed=True, files=files, dirs=dirs)
 
 
 def save(record: UpRecord) -> Path:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -80,6 +81,16 @@ class UpResult:
         return d
 
 
+@dataclass
+class Waits:
+    """How up knows the peer's gate passed and this host serves. The defaults read the
+    probe reports and ask the server; a test of the Mac's commands, which has no peer,
+    gives its own."""
+
+    gate: Callable[[Profile, HostSpec, float | None, float, Say], tuple[bool, str]]
+    serving: Callable[[Profile, HostSpec, float, Say], tuple[bool, str]]
+
+
 class PeerUnreachable(CheckFailed):
     """The probe gate did not pass within --wait; carries the probe's last reason."""
 
@@ -94,7 +105,7 @@ class Prepared:
 
 
 def preflight(
-    prof: Profile, h: HostSpec, backend: Backend, opts: UpOptions, runner: Runner
+    prof: Profile, h: HostSpec, backend: Backend, opts: UpOptions, runner: Runner, root: Path
 ) -> Prepared:
     """Every refusal `up` can make before it changes anything (InputError, exit 2)."""
     from linkctl import service as svc
@@ -132,7 +143,7 @@ def preflight(
             f"{mgr.tool} not found: up runs this host's services through {mgr.name}",
             "run the stages by hand (docs/walkthrough.md), or install it",
         )
-    installed = svc.load_manifest(Path("/"))
+    installed = svc.load_manifest(root)
     if installed is not None:
         if (installed["profile"], installed["host"]) != (prof.name, h.name):
             raise InputError(
@@ -177,50 +188,61 @@ def up(
     *,
     say: Say,
     runner: Runner | None = None,
+    root: Path = Path("/"),
+    waits: Waits | None = None,
 ) -> UpResult:
+    """Bring this host up (see the module's stages). ``root``: where the service files
+    go (``/``; a test's directory stands in for a Mac); they are started either way."""
     from linkctl.core.runner import default_runner
     from linkctl.core.stopflag import sigterm_as_interrupt
 
     runner = runner or backend.runner or default_runner()
+    waits = waits or Waits(_wait_gate, _wait_serving)
     t0 = time.monotonic()
     started = time.time()
     res = UpResult(
         prof.name, str(profile_path), h.name, h.role, opts.boot, opts.dry_run, reach(prof, h)
     )
     say(f"profile {prof.name} from {profile_path}, host {h.name} ({h.role}, {h.interface})")
-    prep = preflight(prof, h, backend, opts, runner)
+    prep = preflight(prof, h, backend, opts, runner, root)
     prep.paths = _profile_paths(prep.paths, profile_path)
     if opts.dry_run:
-        res.stages = _dry_stages(prof, h, backend, prep, opts)
+        res.stages = _dry_stages(prof, h, backend, prep, opts, root)
         return res
     first = up_record.load_record(prof.name, h.name) is None
     with sigterm_as_interrupt():
         try:
             if first:
-                _keep_state(prof, profile_path, h, opts)
+                _keep_state(prof, profile_path, h, opts, root)
             run_stage(res.stages, say, "link", lambda: _link(prof, h, backend))
             run_stage(res.stages, say, "calibration", lambda: _calibrate(prof, h, prep, say))
-            svc_stage = run_stage(res.stages, say, "services", lambda: _services(prof, h, prep))
+            svc_stage = run_stage(
+                res.stages, say, "services", lambda: _services(prof, h, prep, root, runner)
+            )
             # Unchanged services that run already passed their gate on an earlier up.
             since = started if svc_stage.changed else None
-            run_stage(res.stages, say, "peer", lambda: _wait_gate(prof, h, since, opts.wait_s, say))
+            run_stage(res.stages, say, "peer", lambda: waits.gate(prof, h, since, opts.wait_s, say))
         except BaseException as e:
             if first:
                 why = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
                 say(f"{why}: undoing what up did (as `linkctl down` would)")
                 from linkctl.lifecycle.down import down
 
-                down(prof, h, backend, say=say, runner=runner)
+                down(prof, h, backend, say=say, runner=runner, root=root)
             raise
-    run_stage(res.stages, say, "serve", lambda: _wait_serving(prof, h, opts.serve_wait_s, say))
+    run_stage(res.stages, say, "serve", lambda: waits.serving(prof, h, opts.serve_wait_s, say))
     res.elapsed_s = time.monotonic() - t0
     return res
 
 
-def _keep_state(prof: Profile, profile_path: Path, h: HostSpec, opts: UpOptions) -> None:
+def _keep_state(
+    prof: Profile, profile_path: Path, h: HostSpec, opts: UpOptions, root: Path
+) -> None:
     from linkctl import service as svc
 
-    absent = [p for p in svc.manager_for(h).purge_paths() if not os.path.lexists(p)]
+    absent = [
+        p for p in svc.manager_for(h).purge_paths() if not os.path.lexists(svc.in_root(root, p))
+    ]
     up_record.save(
         up_record.UpRecord(
             profile=prof.name,
@@ -252,8 +274,9 @@ def _calibration_needed(h: HostSpec, prep: Prepared) -> tuple[bool, str]:
             f"no llama-server on {h.name}: the estimate keeps the catalog's terms for it"
         )
     kept = calibration_of(h.name)
-    if kept is not None and kept.build == prep.build:
-        return False, f"kept (measured {kept.measured_at}, {kept.build})"
+    # A build that cannot be told (no --version line) keeps what was measured.
+    if kept is not None and prep.build in (None, kept.build):
+        return False, f"kept (measured {kept.measured_at}, {kept.build or 'build unknown'})"
     if kept is None:
         return True, f"none for {h.name} yet"
     return True, f"the kept one measured {kept.build}, this host runs {prep.build}"
@@ -279,10 +302,14 @@ def _calibrate(prof: Profile, h: HostSpec, prep: Prepared, say: Say) -> tuple[bo
     )
 
 
-def _services(prof: Profile, h: HostSpec, prep: Prepared) -> tuple[bool, str]:
+def _services(
+    prof: Profile, h: HostSpec, prep: Prepared, root: Path, runner: Runner
+) -> tuple[bool, str]:
+    import linkctl
     from linkctl import service as svc
 
-    r = svc.install(prof, h, prep.paths)
+    pkg = str(Path(linkctl.__file__).parent) if str(root) == "/" else None
+    r = svc.install(prof, h, prep.paths, root=root, runner=runner, package_dir=pkg, live=True)
     when = "now and at every boot" if prep.paths.boot else "now only (--no-boot)"
     names = ", ".join(svc.manager_for(h).service_names())
     if not r.changed:
@@ -375,7 +402,7 @@ def _wait_serving(prof: Profile, h: HostSpec, wait_s: float, say: Say) -> tuple[
 
 
 def _dry_stages(
-    prof: Profile, h: HostSpec, backend: Backend, prep: Prepared, opts: UpOptions
+    prof: Profile, h: HostSpec, backend: Backend, prep: Prepared, opts: UpOptions, root: Path
 ) -> list[Stage]:
     from linkctl import service as svc
     from linkctl.net import link
@@ -384,7 +411,7 @@ def _dry_stages(
     plan = link.setup(prof, h, backend, dry_run=True)
     changes = "; ".join(c.summary for c in plan.plan.changes) or "nothing to do"
     needed, why = _calibration_needed(h, prep)
-    r = svc.install(prof, h, prep.paths, dry_run=True)
+    r = svc.install(prof, h, prep.paths, root=root, dry_run=True, live=True)
     files = ", ".join(f"{f.action} {f.path}" for f in r.files)
     cmds = "; ".join(" ".join(c) for c in r.commands)
     peers = ", ".join(p.name for p in choose_peers(prof, h))

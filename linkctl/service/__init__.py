@@ -39,6 +39,7 @@ from linkctl.service.preflight import (
     check_paths,
     default_linkctl_bin,
     default_llama_bin_dir,
+    in_root,
     others_can_reach,
 )
 from linkctl.service.render import (
@@ -88,6 +89,7 @@ __all__ = [
     "default_linkctl_bin",
     "default_llama_bin_dir",
     "device_unit",
+    "in_root",
     "install",
     "label",
     "load_manifest",

@@ -114,7 +114,10 @@ def install(
     dry_run: bool = False,
     runner: Runner | None = None,
     package_dir: str | None = None,
+    live: bool | None = None,
 ) -> ServiceResult:
+    """Write the rendered files into ``root`` and, when ``live`` (default: the root is
+    ``/``), load and start them through the manager."""
     root = Path(root)
     if not root.is_dir():
         raise InputError(f"--root {root} is not a directory", "create it or give another")
@@ -195,7 +198,7 @@ def install(
     mpath = in_root(root, MANIFEST)
     if not (mpath.is_file() and mpath.read_text() == manifest_text):
         tx.write(mpath, manifest_text)
-    live = str(root) == "/"
+    live = str(root) == "/" if live is None else live
     result.commands = (
         mgr.install_commands(mgr.service_names(), result.files, paths.boot) if live else []
     )
@@ -224,6 +227,7 @@ def uninstall(
     dry_run: bool = False,
     runner: Runner | None = None,
     purge: bool = False,
+    live: bool | None = None,
 ) -> ServiceResult:
     """Stop the services and remove every file install wrote (restoring what it
     replaced). ``purge`` (`linkctl down`): also what the stopped services wrote through
@@ -237,7 +241,7 @@ def uninstall(
     res = ServiceResult(
         "uninstall", str(root), manifest["manager"], manifest["profile"], manifest["host"], dry_run
     )
-    live = str(root) == "/"
+    live = str(root) == "/" if live is None else live
     names = manifest.get("services", [])
     stop: list[list[str]] = []
     after: list[list[str]] = []

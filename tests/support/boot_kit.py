@@ -240,9 +240,7 @@ def host_state(c: Container) -> dict[str, object]:
     """A booted host as `linkctl down` must leave it: the files under STATE_ROOTS, the
     links, addresses and routes of its namespace, linkctl's units (loaded or as files)
     and the processes linkctl starts."""
-    tree = c.exec(
-        ["python3", "-c", TREE, ",".join(STATE_ROOTS), ",".join(STATE_SKIP)], timeout=120
-    )
+    tree = c.exec(["python3", "-c", TREE, ",".join(STATE_ROOTS), ",".join(STATE_SKIP)], timeout=120)
 
     def ip(*args: str) -> object:
         return json.loads(c.exec(["ip", "-j", *args], timeout=30).stdout or "[]")
