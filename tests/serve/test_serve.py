@@ -299,6 +299,41 @@ def test_probe_gate(tmp_path):
     assert len(lines) == 1 and "ok" in lines[0]
 
 
+def test_probe_gate_probes_an_aged_report_again(tmp_path):
+    """A report that has only aged is probed again when the gate may (serve as root, or
+    the unit's privileged pre-step); the fresh report decides, its reason on failure."""
+    from linkctl.core.checks import Verdict
+    from linkctl.probe.report import ProbeReport
+
+    prof, _ = load_profile("dgx-mac")
+    d = tmp_path / "probe"
+    _report(d, "latest.json", time="2020-01-01T00:00:00Z")
+    asked: list[str] = []
+
+    def passing(peer):
+        asked.append(peer.name)
+        return ProbeReport(prof.name, "mac", peer.name, peer.ip), d / "fresh.json"
+
+    lines = run.probe_gate(prof, prof.head, directory=d, reprobe=passing)
+    assert asked == ["dgx"]
+    assert "h old: probed again, ok (fresh.json)" in lines[0]
+
+    def failing(peer):
+        r = ProbeReport(prof.name, "mac", peer.name, peer.ip)
+        r.add("throughput -> P1", Verdict.FAIL, 0.9, 8.0, "0.90 Gbit/s (below the minimum)")
+        return r, d / "fresh.json"
+
+    with pytest.raises(CheckFailed) as e:
+        run.probe_gate(prof, prof.head, directory=d, reprobe=failing)
+    assert "and probing it again failed: throughput -> P1 (0.9 vs limit 8)" in e.value.message
+    # A failed report is not probed again: the link unit's gate owns that.
+    _report(d, "latest.json", ok=False, checks=[{"name": "rpc", "verdict": "FAIL"}])
+    asked.clear()
+    with pytest.raises(CheckFailed, match=r"failed \(rpc\)"):
+        run.probe_gate(prof, prof.head, directory=d, reprobe=passing)
+    assert asked == []
+
+
 def test_protocol_compatibility_rule():
     assert compatible((7, 0, 0), (7, 0, 0))
     assert compatible((7, 1, 0), (7, 0, 3))
