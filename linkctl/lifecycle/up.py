@@ -20,6 +20,7 @@ probe's own reason. A second `up` finds every stage done and says so.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -197,7 +198,7 @@ def up(
     from linkctl.core.stopflag import sigterm_as_interrupt
 
     runner = runner or backend.runner or default_runner()
-    waits = waits or Waits(_wait_gate, _wait_serving)
+    waits = waits or Waits(functools.partial(_wait_gate, backend=backend), _wait_serving)
     t0 = time.monotonic()
     started = time.time()
     res = UpResult(
@@ -318,7 +319,12 @@ def _services(
 
 
 def _wait_gate(
-    prof: Profile, h: HostSpec, since: float | None, wait_s: float, say: Say
+    prof: Profile,
+    h: HostSpec,
+    since: float | None,
+    wait_s: float,
+    say: Say,
+    backend: Backend | None = None,
 ) -> tuple[bool, str]:
     """Until every peer has a passing probe report (newer than ``since``): the link
     unit's gate, which retries until the peer's responder answers. Each new reason a
@@ -336,7 +342,7 @@ def _wait_gate(
         for p in peers:
             found = latest_probe(prof.name, p.name, p.ip)
             if found is None or (since is not None and found[0] < since - 1):
-                last.setdefault(p.name, "no probe report yet (the link unit probes first)")
+                last[p.name] = _before_any_report(h, backend)
                 continue
             t, path, r = found
             if r.ok:
@@ -370,6 +376,22 @@ def _wait_gate(
             )
             next_note = now + 30
         time.sleep(1.0)
+
+
+def _before_any_report(h: HostSpec, backend: Backend | None) -> str:
+    """Why the link unit has not probed yet: it waits for carrier first (setup
+    --wait-carrier), and a port without one is the usual reason."""
+    if backend is not None:
+        try:
+            carrier = backend.link_facts(h.interface).carrier
+        except InputError:
+            carrier = None
+        if carrier is False:
+            return (
+                f"no carrier on {h.interface}: the peer's port is down (is up running "
+                "there?) or the cable is out"
+            )
+    return "no probe report yet (the link unit probes first)"
 
 
 def _wait_serving(prof: Profile, h: HostSpec, wait_s: float, say: Say) -> tuple[bool, str]:

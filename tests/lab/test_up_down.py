@@ -152,14 +152,16 @@ def test_up_refuses_before_changing_anything(downed: Pair):
 
 
 def test_up_alone_refuses_after_its_wait_and_undoes_everything(downed: Pair):
-    """up on the head only: the gate cannot pass (no responder on the peer); after --wait
-    it refuses with the probe's reason, exit 1, and the head is as it was."""
+    """up on the head only: the gate cannot pass (the peer's port is down, as a powered
+    off DGX's is); after --wait it refuses with the reason, exit 1, and the head is as
+    it was."""
     p = downed
     r = p.linkctl(p.head, "up", "--wait", "20", timeout=UP_TIMEOUT)
     assert r.returncode == 1, (r.stdout, r.stderr[-3000:])
     line = r.stderr.strip().splitlines()[-1]
     assert f"peer {p.rpc} not reachable through the link after 20 s" in line, line
-    assert "responder" in line and "fix:" in line, line  # the probe's reason and the fix
+    iface = p.bl.profile.head.interface
+    assert f"no carrier on {iface}: the peer's port is down" in line and "fix:" in line, line
     assert "undoing what up did" in r.stderr
     assert state_diff(p.before[p.head], kit.host_state(p.c(p.head))) == []
 
