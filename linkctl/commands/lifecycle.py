@@ -131,7 +131,7 @@ def register(app: typer.Typer) -> None:
         from linkctl.core.log import speaker
         from linkctl.lifecycle.down import down as run_down
 
-        prof, _path, h, backend = _host(
+        prof, path, h, backend = _host(
             profile, host, "down removes the services and the link configuration"
         )
-        _show(run_down(prof, h, backend, say=speaker("down"), dry_run=dry_run), json_)
+        _show(run_down(prof, path, h, backend, say=speaker("down"), dry_run=dry_run), json_)

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 @dataclass
 class DownResult:
     profile: str
+    profile_path: str
     host: str
     dry_run: bool
     stages: list[Stage] = field(default_factory=list)
@@ -57,6 +58,7 @@ class DownResult:
 
 def down(
     prof: Profile,
+    profile_path: Path,
     h: HostSpec,
     backend: Backend,
     *,
@@ -68,7 +70,8 @@ def down(
     from linkctl.core.privilege import require_root
 
     require_root("down removes the services and the link configuration")
-    res = DownResult(prof.name, h.name, dry_run)
+    res = DownResult(prof.name, str(profile_path), h.name, dry_run)
+    say(f"profile {prof.name} from {profile_path}, host {h.name} ({h.role}, {h.interface})")
     rec = up_record.load_record(prof.name, h.name)
     run_stage(res.stages, say, "services", lambda: _services(prof, h, res, runner, dry_run, root))
     run_stage(res.stages, say, "link", lambda: _link(prof, h, backend, dry_run))

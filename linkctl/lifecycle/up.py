@@ -229,7 +229,7 @@ def up(
                 say(f"{why}: undoing what up did (as `linkctl down` would)")
                 from linkctl.lifecycle.down import down
 
-                down(prof, h, backend, say=say, runner=runner, root=root)
+                down(prof, profile_path, h, backend, say=say, runner=runner, root=root)
             raise
     run_stage(res.stages, say, "serve", lambda: waits.serving(prof, h, opts.serve_wait_s, say))
     res.elapsed_s = time.monotonic() - t0

@@ -143,7 +143,7 @@ def test_up_then_down_on_the_mac_leaves_it_as_it_was(mac_machine, boot):
     assert runner.changes() == [f"networksetup {c.split(' ', 1)[1]}" for c in (SETMTU, SETMANUAL)]
 
     n = len(runner.history)
-    gone = down(prof, mac, be, say=said.append, runner=runner, root=root)
+    gone = down(prof, profile_path, mac, be, say=said.append, runner=runner, root=root)
     assert runner.unexpected == []
     after = [" ".join(a) for a in runner.history[n:]]
     assert [c for c in after if c.startswith("networksetup -set")] == [SETDHCP, MTU_BACK]
@@ -154,7 +154,7 @@ def test_up_then_down_on_the_mac_leaves_it_as_it_was(mac_machine, boot):
     assert tree(root) == root_before
     assert tree(state) == state_before
 
-    twice = down(prof, mac, be, say=said.append, runner=runner, root=root)
+    twice = down(prof, profile_path, mac, be, say=said.append, runner=runner, root=root)
     assert not twice.changed and twice.summary().startswith("nothing to do")
     assert tree(root) == root_before and tree(state) == state_before
 
