@@ -378,6 +378,30 @@ def _wait_gate(
         time.sleep(1.0)
 
 
+def _rpc_serving(h: HostSpec) -> str:
+    """rpc-server answers HELLO, or listens while busy: it serves one client at a time,
+    and once the head's llama-server holds it, a HELLO (even a TCP connect, past its
+    listen backlog) gets no answer until that client goes."""
+    import psutil
+
+    from linkctl.core.errors import Timeout
+    from linkctl.llama import rpc
+
+    try:
+        rpc.hello(h.rpc_bind, h.rpc.port, timeout=1.0)
+        return "answers HELLO"
+    except (rpc.RpcBusy, Timeout):
+        listening = any(
+            c.status == psutil.CONN_LISTEN
+            and c.laddr
+            and tuple(c.laddr) == (h.rpc_bind, h.rpc.port)
+            for c in psutil.net_connections(kind="tcp")
+        )
+        if not listening:
+            raise
+        return "listens, busy with a client (the head's llama-server)"
+
+
 def _before_any_report(h: HostSpec, backend: Backend | None) -> str:
     """Why the link unit has not probed yet: it waits for carrier first (setup
     --wait-carrier), and a port without one is the usual reason."""
@@ -397,19 +421,19 @@ def _before_any_report(h: HostSpec, backend: Backend | None) -> str:
 def _wait_serving(prof: Profile, h: HostSpec, wait_s: float, say: Say) -> tuple[bool, str]:
     """Until this host's server answers: rpc-server's HELLO, llama-server's /health."""
     from linkctl.core.wait import until_answered
-    from linkctl.llama import rpc
     from linkctl.llama.client import LlamaServer
 
     r = reach(prof, h)
     t0 = time.monotonic()
     if h.role == "rpc":
-        until_answered(
-            lambda: rpc.hello(h.rpc_bind, h.rpc.port, timeout=1.0),
+        how = until_answered(
+            lambda: _rpc_serving(h),
             within=wait_s,
             what=f"rpc-server on {h.rpc_endpoint}",
             say=say,
             interval=1.0,
         )
+        return False, f"{r.endpoint} {how} ({time.monotonic() - t0:.0f} s)"
     else:
         assert r.url is not None
         host, port = r.url.removeprefix("http://").rsplit(":", 1)

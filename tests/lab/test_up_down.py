@@ -113,8 +113,26 @@ def downed(pair: Pair) -> Pair:
     return pair
 
 
+def flat(x: object, at: str = "") -> dict[str, object]:
+    """Nested JSON as {path: leaf}; lists of links/addresses keyed by their ifname."""
+    if isinstance(x, dict):
+        return {k: v for key, val in x.items() for k, v in flat(val, f"{at}/{key}").items()}
+    if isinstance(x, list):
+        out: dict[str, object] = {}
+        for i, val in enumerate(x):
+            key = val.get("ifname") or val.get("local") or i if isinstance(val, dict) else i
+            out.update(flat(val, f"{at}[{key}]"))
+        return out
+    return {at: x}
+
+
 def state_diff(before: dict, after: dict) -> list[str]:
-    return kit.snapshot_diff(before, after)
+    a, b = flat(before), flat(after)
+    return [
+        f"{k}: {a.get(k)!r} -> {b.get(k)!r}"
+        for k in sorted(a.keys() | b.keys())
+        if a.get(k) != b.get(k)
+    ]
 
 
 def last_line(r: Result) -> str:

@@ -256,10 +256,13 @@ def host_state(c: Container) -> dict[str, object]:
         ["systemctl", "list-unit-files", "--no-legend", "linkctl*"], check=False, timeout=30
     ).stdout.split("\n")
     procs = c.exec(["python3", "-c", PROCS], timeout=30).stdout.split()
+    # The kernel attaches a port's default qdisc the first time it goes up (noop ->
+    # noqueue on a veth) and keeps it: nothing linkctl sets, nor could put back.
+    addrs = [{k: v for k, v in a.items() if k != "qdisc"} for a in ip("addr", "show")]
     return {
         "files": json.loads(tree.stdout),
         "links": links,
-        "addrs": ip("addr", "show"),
+        "addrs": addrs,
         "routes": ip("route", "show", "table", "all"),
         "units": sorted(u for u in units if u.strip()),
         "unit_files": sorted(u for u in unit_files if u.strip()),
