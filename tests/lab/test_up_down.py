@@ -90,6 +90,8 @@ def pair(image, model, host_before) -> Iterator[Pair]:
     bl = boot.BootLab(profile, "u" + uuid.uuid4().hex[:7], image, llama, model, log=say)
     bl.__enter__()
     try:
+        for c in bl.containers.values():
+            kit.settled(c)
         before = {n: kit.host_state(c) for n, c in bl.containers.items()}
         yield Pair(bl, before)
     finally:
@@ -135,6 +137,11 @@ def state_diff(before: dict, after: dict) -> list[str]:
     ]
 
 
+def assert_same(before: dict, after: dict, host: str) -> None:
+    d = state_diff(before, after)
+    assert not d, f"{host}: " + "\n".join(d)
+
+
 def last_line(r: Result) -> str:
     return r.stdout.strip().splitlines()[-1]
 
@@ -166,7 +173,7 @@ def test_up_refuses_before_changing_anything(downed: Pair):
     assert r.returncode == 2, r.stderr
     assert "is not on this machine" in r.stderr and "--host" in r.stderr
     for n in p.bl.containers:
-        assert state_diff(p.before[n], kit.host_state(p.c(n))) == [], n
+        assert_same(p.before[n], kit.host_state(p.c(n)), n)
 
 
 def test_up_alone_refuses_after_its_wait_and_undoes_everything(downed: Pair):
@@ -181,7 +188,7 @@ def test_up_alone_refuses_after_its_wait_and_undoes_everything(downed: Pair):
     iface = p.bl.profile.head.interface
     assert f"no carrier on {iface}: the peer's port is down" in line and "fix:" in line, line
     assert "undoing what up did" in r.stderr
-    assert state_diff(p.before[p.head], kit.host_state(p.c(p.head))) == []
+    assert_same(p.before[p.head], kit.host_state(p.c(p.head)), p.head)
 
 
 # ---- up ------------------------------------------------------------------------------
@@ -192,7 +199,7 @@ def test_up_on_both_serves_and_says_how_to_reach_it(upped: Pair):
     for n, r in p.ups.items():
         for stage in ("link", "calibration", "services", "peer", "serve"):
             assert f"linkctl[up] {stage}: " in r.stderr, (n, stage, r.stderr[-3000:])
-        assert "profile dgx-mac from /root/dgx-mac-lab.toml" in r.stderr
+        assert "from /root/dgx-mac-lab.toml" in r.stderr
     rpc_line = last_line(p.ups[p.rpc])
     assert "serving: ggml-rpc-server for mac" in rpc_line, rpc_line
     head_line = last_line(p.ups[p.head])
@@ -222,7 +229,7 @@ def test_up_again_changes_nothing_and_says_so(upped: Pair):
         assert r.returncode == 0, (n, r.stderr[-3000:])
         assert last_line(r).startswith("nothing changed; serving:"), last_line(r)
     for n, c in p.bl.containers.items():
-        assert state_diff(before[n]["files"], kit.host_state(c)["files"]) == [], n
+        assert_same(before[n]["files"], kit.host_state(c)["files"], n)
     assert answers(p)
 
 
@@ -298,11 +305,11 @@ def test_down_leaves_each_host_as_it_was_and_twice_is_harmless(upped: Pair):
     for n, r in first.items():
         assert "as it was before `linkctl up`" in last_line(r), (n, r.stdout)
     for n, c in p.bl.containers.items():
-        assert state_diff(p.before[n], kit.host_state(c)) == [], n
+        assert_same(p.before[n], kit.host_state(c), n)
     again = p.on_both("down", timeout=300)
     for n, r in again.items():
         assert r.returncode == 0, (n, r.stderr[-2000:])
         assert last_line(r).startswith("nothing to do"), (n, r.stdout)
     for n, c in p.bl.containers.items():
-        assert state_diff(p.before[n], kit.host_state(c)) == [], n
+        assert_same(p.before[n], kit.host_state(c), n)
     assert not answers(p)

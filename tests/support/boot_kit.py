@@ -236,6 +236,17 @@ STATE_SKIP = (
 )
 
 
+def settled(c: Container, timeout: float = 30.0) -> None:
+    """Until the host's IPv6 addresses left duplicate address detection ("tentative"
+    for about a second after a port comes up): a state read before would differ from
+    any read after for that reason alone."""
+    wait_for(
+        lambda: not c.exec(["ip", "-6", "addr", "show", "tentative"], timeout=30).stdout.strip(),
+        timeout,
+        f"{c.name}: IPv6 duplicate address detection",
+    )
+
+
 def host_state(c: Container) -> dict[str, object]:
     """A booted host as `linkctl down` must leave it: the files under STATE_ROOTS, the
     links, addresses and routes of its namespace, linkctl's units (loaded or as files)
