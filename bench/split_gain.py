@@ -318,7 +318,7 @@ def main() -> int:
                     "--model",
                     mpath,
                     *cal_args,
-                    "--tensor-split",
+                    "--split",
                     ",".join(map(str, i["placement"])),
                     "--ctx",
                     "1024",

@@ -31,12 +31,14 @@ def register(app: typer.Typer) -> None:
                 show_default=False,
             ),
         ] = None,
-        tensor_split: Annotated[
+        split: Annotated[
             str | None,
             typer.Option(
-                "--tensor-split",
-                help="Weights per split device, llama.cpp order (RPC hosts, then "
-                "the head's GPU), e.g. 3,1.",
+                "--split",
+                help="The layer split to predict, as `linkctl serve --split` takes it: "
+                "llama (llama.cpp's own, by free memory; the default), recommended (the "
+                "estimate's fastest, what serve runs by default) or weights W,W,... per "
+                "split device in llama.cpp order (rpc hosts, then the head's GPU), e.g. 3,1.",
                 show_default=False,
             ),
         ] = None,
@@ -119,7 +121,7 @@ def register(app: typer.Typer) -> None:
             prof,
             model,
             probe=probe,
-            tensor_split=parse_split(tensor_split),
+            split=parse_split(split),
             ctx=ctx,
             prompt=prompt,
             rtt_us=rtt_us,
@@ -200,7 +202,9 @@ def register(app: typer.Typer) -> None:
         bin_dir: Annotated[
             str | None,
             typer.Option(
-                "--bin-dir", help="Directory with llama-server/ggml-rpc-server.", show_default=False
+                "--llama-bin-dir",
+                help="Directory with llama-server/ggml-rpc-server.",
+                show_default=False,
             ),
         ] = None,
         dry_run: Annotated[

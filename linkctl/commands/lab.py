@@ -125,7 +125,8 @@ def lab_demo(
     tokens: Annotated[int, typer.Option("--tokens", help="Tokens per timed completion.")] = 64,
     runs: Annotated[int, typer.Option("--runs", help="Timed completions (best is kept).")] = 3,
     threads: Annotated[
-        int, typer.Option("--threads", help="CPU threads for rpc-server and llama-server.")
+        int,
+        typer.Option("--threads", "-t", help="CPU threads for rpc-server and llama-server."),
     ] = 1,
     name: NameOpt = "demo",
     json_: JsonOpt = False,
