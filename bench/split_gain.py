@@ -193,7 +193,7 @@ def main() -> int:
                          "linkctl", "probe", "--profile", str(prof), "--peer", h, "--json"],
                         check=False,
                     )
-                )  # fmt: skip
+                )[0]  # fmt: skip
                 if rep.get("ok"):
                     break
             else:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from linkctl.commands.common import JsonOpt, ProfileOpt, load
+from linkctl.commands.common import HostOpt, JsonOpt, ProfileOpt, load
 
 ModelOpt = Annotated[
     Path,
@@ -169,15 +168,7 @@ def register(app: typer.Typer) -> None:
             ),
         ] = None,
         profile: ProfileOpt = None,
-        host: Annotated[
-            str | None,
-            typer.Option(
-                "--host",
-                help="Which profile host this is (default: $LINKCTL_HOST, else the "
-                "profile host whose device matches, else the head).",
-                show_default=False,
-            ),
-        ] = None,
+        host: HostOpt = None,
         tokens: Annotated[int, typer.Option("--tokens", help="Decode tokens to time.")] = 64,
         runs: Annotated[
             int, typer.Option("--runs", help="Timed requests (the median is kept).")
@@ -232,7 +223,7 @@ def register(app: typer.Typer) -> None:
         p = plan(
             prof,
             model or [],
-            host=host or os.environ.get("LINKCTL_HOST"),
+            host=host,
             tokens=tokens,
             runs=runs,
             threads=threads,

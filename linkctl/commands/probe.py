@@ -87,7 +87,8 @@ def register(app: typer.Typer) -> None:
         """Verify and measure the link: NIC, peer ARP/MAC, path MTU, RTT, throughput, RPC.
 
         Needs `linkctl responder` running on the peer. Exit 0 all pass, 1 a check
-        failed, 2 could not run. The report is saved to the state directory.
+        failed, 2 could not run. The report is saved to the state directory; --json
+        prints a list of reports, one per peer probed (a list of one for one peer).
 
         Examples:
           linkctl probe --profile dgx-mac
@@ -121,8 +122,8 @@ def register(app: typer.Typer) -> None:
         if prom:
             report.write_prometheus(prom, reports)
         if json_:
-            data = [r.to_json() for r in reports]
-            print_json(data[0] if len(data) == 1 else data)
+            # One shape whatever the number of peers: a list, one report per peer probed.
+            print_json([r.to_json() for r in reports])
         code = max(r.exit_code for r in reports)
         if code:
             raise typer.Exit(code)

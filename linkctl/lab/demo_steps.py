@@ -234,9 +234,9 @@ class Probe(Step):
         argv = ["linkctl", "probe", "--profile", str(ctx.prof_path), "--peer", self.peer]
         r = ctx.run_in(self.head, [*argv, "--json"], log, timeout=180)
         data: Any = None
-        if r.stdout.strip().startswith("{"):
-            with contextlib.suppress(ValueError):
-                data = json.loads(r.stdout)
+        if r.stdout.strip().startswith("["):  # a list of reports, one per peer probed
+            with contextlib.suppress(ValueError, LookupError):
+                data = json.loads(r.stdout)[0]
         rec = None
         if data:
             rec = parse(
