@@ -100,15 +100,16 @@ def lab_exec(
 ) -> None:
     """Run a command inside a host's namespace, with the lab profile and host preset.
 
+    The command talks to this terminal directly; SIGTERM and SIGINT to `lab exec` are
+    passed on to it. Exit status: the command's (128 + N when signal N ended it).
+
     Example: linkctl lab exec dgx -- linkctl status
     """
-    import subprocess
-
+    from linkctl.core.runner import foreground
     from linkctl.lab import netns as lab
 
     argv, env = lab.exec_argv(lab.load_lab(name), host, list(ctx.args))
-    # Passthrough: the command talks to the user's terminal directly.
-    raise typer.Exit(subprocess.call(argv, env=env))
+    raise typer.Exit(foreground(argv, env=env))
 
 
 @lab_app.command("demo")
