@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from linkctl.commands.common import HostOpt, JsonOpt, ProfileOpt, load_with_host
+from linkctl.commands.common import DryRunOpt, HostOpt, JsonOpt, ProfileOpt, load_with_host
 from linkctl.core.output import console, print_json, verdict
 
 
@@ -129,14 +129,20 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(code)
 
     @app.command()
-    def responder(profile: ProfileOpt = None, host: HostOpt = None, json_: JsonOpt = False) -> None:
+    def responder(
+        profile: ProfileOpt = None,
+        host: HostOpt = None,
+        dry_run: DryRunOpt = False,
+        json_: JsonOpt = False,
+    ) -> None:
         """Serve the probe's peer side on this host's link address: a TCP echo for
         latency and `iperf3 -s` for throughput. Runs until SIGTERM/Ctrl-C.
 
         The rpc host's boot service runs it beside rpc-server.
 
-        Example:
+        Examples:
           linkctl responder --profile dgx-mac
+          linkctl responder --dry-run --json
         """
         import json
         import sys
@@ -146,6 +152,17 @@ def register(app: typer.Typer) -> None:
         prof, me, backend = load_with_host(profile, host)
         spec = prof.probe
         r = Responder(me.ip, spec.responder_port, spec.iperf_port, runner=backend.runner)
+        if dry_run:
+            plan = r.plan()
+            if json_:
+                print_json(plan)
+            else:
+                console.print(
+                    f"responder {me.name} [dry run]: would listen on {me.ip}:{spec.responder_port} "
+                    f"(TCP echo) and run {' '.join(plan['iperf_argv'])}",
+                    markup=False,
+                )
+            return
 
         def ready(info: dict) -> None:
             if json_:
