@@ -26,7 +26,8 @@ def register(app: typer.Typer) -> None:
             Path | None,
             typer.Option(
                 "--probe",
-                help="Probe report JSON (default: the saved `linkctl probe` report).",
+                help="Probe report JSON: `linkctl probe --peer NAME --json` output (a list of "
+                "one) or a saved report (default: the saved `linkctl probe` report).",
                 show_default=False,
             ),
         ] = None,

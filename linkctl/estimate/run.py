@@ -8,11 +8,34 @@ from pathlib import Path
 
 from linkctl.core.errors import InputError
 from linkctl.core.profile import Profile, parse_split_spec
-from linkctl.core.records import ProbeRecord, latest_probe_path, load_calibrations, load_probe
+from linkctl.core.records import (
+    ProbeRecord,
+    latest_probe_path,
+    load_calibrations,
+    load_probe,
+    parse,
+)
 from linkctl.estimate.catalog import apply_calibration, get_device, load_catalog, rpc_role
 from linkctl.estimate.cost import GIB, Estimate, LinkFigures, Participant, estimate
 from linkctl.estimate.layers import split_devices
 from linkctl.estimate.notes import Note, NoteKind
+
+
+def probe_arg(path: Path) -> ProbeRecord:
+    """--probe FILE: a saved report, or what `probe --json` printed (a list of reports,
+    one per peer; the estimate takes one link's)."""
+    import json
+
+    fix = "give `linkctl probe --peer NAME --json` output or a saved report (<state dir>/probe/)"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise InputError(f"--probe {path} is unreadable: {e}", fix) from None
+    if isinstance(data, list):
+        if len(data) != 1:
+            raise InputError(f"--probe {path}: {len(data)} reports, one per peer", fix)
+        data = data[0]
+    return parse(ProbeRecord, data, str(path), "probe report", fix)
 
 
 def link_figures(
@@ -25,7 +48,7 @@ def link_figures(
     path = probe or latest_probe_path()
     report: ProbeRecord | None = None
     if path.is_file():
-        report = load_probe(path)
+        report = probe_arg(path) if probe else load_probe(path)
     elif probe is not None:
         raise InputError(f"--probe {probe}: no such file", "give a `linkctl probe --json` report")
     if report is None and (rtt_us is None or throughput_gbps is None):

@@ -369,6 +369,27 @@ def test_metal_flash_attention_reads_only_a_sliding_window_blocks_window():
     assert on_mac.decode_tok_s > on_cuda.decode_tok_s
 
 
+def test_cli_probe_takes_what_probe_json_prints(tmp_path, env):
+    """--probe FILE: `linkctl probe --json` prints a list (one report per peer): a list
+    of one is that link; several are refused (exit 2) asking for one peer's."""
+    p = write_header_only(tmp_path / "7b.gguf", LLAMA_7B)
+    one = {
+        "latency": {"tcp": {"1": {"p50_us": 87.5, "p99_us": 120}}},
+        "throughput": {"fwd_p1": {"gbps": 9.41, "retransmits": 0}},
+    }
+    for name, data in (("list.json", [one]), ("saved.json", one)):
+        (tmp_path / name).write_text(json.dumps(data))
+        r = linkctl(
+            "estimate", "--model", str(p), "--probe", str(tmp_path / name), "--json", env=env
+        )
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["link"]["rtt_us"] == 87.5
+    (tmp_path / "two.json").write_text(json.dumps([one, one]))
+    r = linkctl("estimate", "--model", str(p), "--probe", str(tmp_path / "two.json"), env=env)
+    assert r.returncode == 2 and "2 reports, one per peer" in r.stderr
+    assert "linkctl probe --peer NAME --json" in r.stderr
+
+
 def test_cli_uses_the_saved_probe_report(tmp_path, env):
     p = write_header_only(tmp_path / "7b.gguf", LLAMA_7B)
     report = tmp_path / "state" / "probe" / "latest.json"
