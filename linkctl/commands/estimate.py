@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from linkctl.commands.common import CalibrationOpt, JsonOpt, ProfileOpt, load
+from linkctl.commands.common import CalibrationOpt, HostOpt, JsonOpt, ProfileOpt, load
 
 ModelOpt = Annotated[
     Path,
@@ -27,16 +26,19 @@ def register(app: typer.Typer) -> None:
             Path | None,
             typer.Option(
                 "--probe",
-                help="Probe report JSON (default: the saved `linkctl probe` report).",
+                help="Probe report JSON: `linkctl probe --peer NAME --json` output (a list of "
+                "one) or a saved report (default: the saved `linkctl probe` report).",
                 show_default=False,
             ),
         ] = None,
-        tensor_split: Annotated[
+        split: Annotated[
             str | None,
             typer.Option(
-                "--tensor-split",
-                help="Weights per split device, llama.cpp order (RPC hosts, then "
-                "the head's GPU), e.g. 3,1.",
+                "--split",
+                help="The layer split to predict, as `linkctl serve --split` takes it: "
+                "llama (llama.cpp's own, by free memory; the default), recommended (the "
+                "estimate's fastest, what serve runs by default) or weights W,W,... per "
+                "split device in llama.cpp order (rpc hosts, then the head's GPU), e.g. 3,1.",
                 show_default=False,
             ),
         ] = None,
@@ -112,7 +114,7 @@ def register(app: typer.Typer) -> None:
             prof,
             model,
             probe=probe,
-            tensor_split=parse_split(tensor_split),
+            split=parse_split(split),
             ctx=ctx,
             prompt=prompt,
             rtt_us=rtt_us,
@@ -160,15 +162,7 @@ def register(app: typer.Typer) -> None:
             ),
         ] = None,
         profile: ProfileOpt = None,
-        host: Annotated[
-            str | None,
-            typer.Option(
-                "--host",
-                help="Which profile host this is (default: $LINKCTL_HOST, else the "
-                "profile host whose device matches, else the head).",
-                show_default=False,
-            ),
-        ] = None,
+        host: HostOpt = None,
         tokens: Annotated[int, typer.Option("--tokens", help="Decode tokens to time.")] = 64,
         runs: Annotated[
             int, typer.Option("--runs", help="Timed requests (the median is kept).")
@@ -193,7 +187,9 @@ def register(app: typer.Typer) -> None:
         bin_dir: Annotated[
             str | None,
             typer.Option(
-                "--bin-dir", help="Directory with llama-server/ggml-rpc-server.", show_default=False
+                "--llama-bin-dir",
+                help="Directory with llama-server/ggml-rpc-server.",
+                show_default=False,
             ),
         ] = None,
         dry_run: Annotated[
@@ -221,7 +217,7 @@ def register(app: typer.Typer) -> None:
         p = plan(
             prof,
             model or [],
-            host=host or os.environ.get("LINKCTL_HOST"),
+            host=host,
             tokens=tokens,
             runs=runs,
             threads=threads,

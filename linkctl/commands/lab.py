@@ -7,11 +7,12 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from linkctl.commands.common import JsonOpt, ProfileOpt, load
+from linkctl.commands.common import DryRunOpt, JsonOpt, ProfileOpt, load
 from linkctl.core.checks import Verdict
 from linkctl.core.output import console, print_json
 
 if TYPE_CHECKING:
+    from linkctl.lab.boot import BootPlan
     from linkctl.lab.demo_context import DemoReport
 
 lab_app = typer.Typer(
@@ -35,7 +36,12 @@ def _linux_only() -> None:
 
 
 @lab_app.command("up")
-def lab_up(profile: ProfileOpt = None, name: NameOpt = "lab", json_: JsonOpt = False) -> None:
+def lab_up(
+    profile: ProfileOpt = None,
+    name: NameOpt = "lab",
+    dry_run: DryRunOpt = False,
+    json_: JsonOpt = False,
+) -> None:
     """Create one namespace per profile host, the link between them, and a wifi router.
 
     Example:
@@ -45,13 +51,20 @@ def lab_up(profile: ProfileOpt = None, name: NameOpt = "lab", json_: JsonOpt = F
     from linkctl.lab import netns as lab
 
     prof, _ = load(profile)
-    lb = lab.up(prof, name)
+    lb = lab.plan(prof, name) if dry_run else lab.up(prof, name)
     if json_:
-        print_json(lb.as_dict())
+        print_json({**lb.as_dict(), "namespaces": lab.namespaces(lb), "dry_run": dry_run})
         return
-    console.print(
-        f"lab {lb.name!r} up from profile {prof.name!r}; remapped profile: {lb.profile_path}"
-    )
+    if dry_run:
+        console.print(
+            f"lab {lb.name!r} from profile {prof.name!r} [dry run]: would create namespaces "
+            f"{', '.join(lab.namespaces(lb))} and write {lb.root}",
+            markup=False,
+        )
+    else:
+        console.print(
+            f"lab {lb.name!r} up from profile {prof.name!r}; remapped profile: {lb.profile_path}"
+        )
     for h in lb.hosts:
         console.print(
             f"  {h.name:8} netns {h.netns:18} {h.interface:8} {h.address:18} "
@@ -61,19 +74,28 @@ def lab_up(profile: ProfileOpt = None, name: NameOpt = "lab", json_: JsonOpt = F
 
 
 @lab_app.command("down")
-def lab_down(name: NameOpt = "lab", json_: JsonOpt = False) -> None:
+def lab_down(name: NameOpt = "lab", dry_run: DryRunOpt = False, json_: JsonOpt = False) -> None:
     """Stop every process in the lab's namespaces and remove them (idempotent)."""
     from linkctl.lab import netns as lab
 
-    removed = lab.down(name)
+    plan = lab.down_plan(name)
+    removed = plan.items if dry_run else lab.down(name)
     if json_:
-        print_json({"removed": removed})
-    else:
+        out: dict = {"removed": removed, "dry_run": dry_run}
+        if dry_run:
+            out["processes"] = plan.processes
+        print_json(out)
+    elif not removed:
+        console.print(f"lab {name!r}: nothing to remove", markup=False)
+    elif dry_run:
+        pids = sum(len(p) for p in plan.processes.values())
         console.print(
-            f"lab {name!r}: removed {len(removed)} item(s)"
-            if removed
-            else f"lab {name!r}: nothing to remove"
+            f"lab {name!r} [dry run]: would stop {pids} process(es) and remove "
+            f"{', '.join(removed)}",
+            markup=False,
         )
+    else:
+        console.print(f"lab {name!r}: removed {len(removed)} item(s)", markup=False)
 
 
 @lab_app.command("show")
@@ -100,15 +122,16 @@ def lab_exec(
 ) -> None:
     """Run a command inside a host's namespace, with the lab profile and host preset.
 
+    The command talks to this terminal directly; SIGTERM and SIGINT to `lab exec` are
+    passed on to it. Exit status: the command's (128 + N when signal N ended it).
+
     Example: linkctl lab exec dgx -- linkctl status
     """
-    import subprocess
-
+    from linkctl.core.runner import foreground
     from linkctl.lab import netns as lab
 
     argv, env = lab.exec_argv(lab.load_lab(name), host, list(ctx.args))
-    # Passthrough: the command talks to the user's terminal directly.
-    raise typer.Exit(subprocess.call(argv, env=env))
+    raise typer.Exit(foreground(argv, env=env))
 
 
 @lab_app.command("demo")
@@ -125,9 +148,16 @@ def lab_demo(
     tokens: Annotated[int, typer.Option("--tokens", help="Tokens per timed completion.")] = 64,
     runs: Annotated[int, typer.Option("--runs", help="Timed completions (best is kept).")] = 3,
     threads: Annotated[
-        int, typer.Option("--threads", help="CPU threads for rpc-server and llama-server.")
+        int,
+        typer.Option("--threads", "-t", help="CPU threads for rpc-server and llama-server."),
     ] = 1,
     name: NameOpt = "demo",
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run", help="Print the lab it would make and every step, in order; run nothing."
+        ),
+    ] = False,
     json_: JsonOpt = False,
 ) -> None:
     """The whole path in namespaces: setup, probe, estimate, serve, a real completion.
@@ -142,6 +172,7 @@ def lab_demo(
       linkctl lab demo
       linkctl lab demo --profile dgx2-mac-switch --json
       linkctl lab demo --rate 1gbit --delay-ms 0.5
+      linkctl lab demo --dry-run
     """
     from linkctl.lab.demo import Demo, DemoOptions
 
@@ -152,6 +183,22 @@ def lab_demo(
 
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
+
+    if dry_run:
+        plan = Demo(prof, opts, say=say).plan()
+        if json_:
+            print_json(plan.as_json())
+            return
+        out = console.print
+        out(
+            f"linkctl lab demo [dry run]: profile {plan.profile} in lab {plan.lab.name!r}, "
+            f"namespaces {', '.join(plan.namespaces)}",
+            markup=False,
+        )
+        for i, title in enumerate(plan.steps, 1):
+            out(f"  [{i:>2}] {title}", markup=False)
+        out(f"  writes {', '.join(plan.writes)} (the lab's is removed at the end)", markup=False)
+        return
 
     try:
         report = Demo(prof, opts, say=say).run()
@@ -247,6 +294,13 @@ def lab_boot(
         float,
         typer.Option("--hold", help="Seconds to keep them running (0: until Ctrl-C)."),
     ] = 0.0,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="Print the lab, the image (cached or to build) and the containers; make nothing.",
+        ),
+    ] = False,
     json_: JsonOpt = False,
 ) -> None:
     """Boot every profile host as a container with systemd as PID 1, in a lab of its own.
@@ -260,6 +314,7 @@ def lab_boot(
     Examples:
       linkctl lab boot --install
       linkctl lab boot --profile dgx2-mac-switch --hold 60
+      linkctl lab boot --install --dry-run
     """
     import time
 
@@ -271,13 +326,14 @@ def lab_boot(
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    llama = boot.llama_dir()
+    if install and llama is None:
+        raise InputError("--install needs the llama.cpp build", "run scripts/build-llama.sh first")
+    if dry_run:
+        _show_boot_plan(boot.plan(prof, name, llama, install), json_)
+        return
     image = rootfs.prepare(log=say)
     try:
-        llama = boot.llama_dir()
-        if install and llama is None:
-            raise InputError(
-                "--install needs the llama.cpp build", "run scripts/build-llama.sh first"
-            )
         with boot.BootLab(prof, name, image, llama, log=say) as bl:
             if install:
                 bl.install_services()
@@ -305,6 +361,32 @@ def lab_boot(
     finally:
         image.discard()
     print("containers and lab removed", file=sys.stderr)
+
+
+def _show_boot_plan(p: BootPlan, json_: bool) -> None:
+    if json_:
+        print_json(p.as_json())
+        return
+    out = console.print
+    out(
+        f"lab boot [dry run]: profile {p.profile} in lab {p.lab.name!r}, namespaces "
+        f"{', '.join(p.namespaces)}",
+        markup=False,
+    )
+    im = p.image
+    for what, path, cached in (
+        ("rootfs", im.base, im.base_cached),
+        ("wheels", im.wheels, im.wheels_cached),
+    ):
+        out(f"  {what:9} {path} ({'cached' if cached else 'would be built'})", markup=False)
+    for host, c in p.containers.items():
+        binds = " ".join(c["binds"]) or "no binds"
+        out(
+            f"  {host:9} container {c['name']} in {c['dir']}, netns {c['netns']}, {binds}",
+            markup=False,
+        )
+    if p.install:
+        out("  then      `linkctl service install` in every container, and a reboot", markup=False)
 
 
 def register(app: typer.Typer) -> None:

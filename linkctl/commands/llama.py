@@ -28,7 +28,7 @@ def llama_find(
     ] = None,
     bin_dir: Annotated[
         Path | None,
-        typer.Option("--bin-dir", help="Search this directory first.", show_default=False),
+        typer.Option("--llama-bin-dir", help="Search this directory first.", show_default=False),
     ] = None,
     no_protocol: Annotated[
         bool,

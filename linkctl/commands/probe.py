@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from linkctl.commands.common import HostOpt, JsonOpt, ProfileOpt, load_with_host
+from linkctl.commands.common import DryRunOpt, HostOpt, JsonOpt, ProfileOpt, load_with_host
 from linkctl.core.output import console, print_json, verdict
 
 
@@ -99,7 +99,8 @@ def register(app: typer.Typer) -> None:
         """Verify and measure the link: NIC, peer ARP/MAC, path MTU, RTT, throughput, RPC.
 
         Needs `linkctl responder` running on the peer. Exit 0 all pass, 1 a check
-        failed, 2 could not run. The report is saved to the state directory.
+        failed, 2 could not run. The report is saved to the state directory; --json
+        prints a list of reports, one per peer probed (a list of one for one peer).
 
         Examples:
           linkctl probe --profile dgx-mac
@@ -135,14 +136,20 @@ def register(app: typer.Typer) -> None:
         if prom:
             report.write_prometheus(prom, reports)
         if json_:
-            data = [r.to_json() for r in reports]
-            print_json(data[0] if len(data) == 1 else data)
+            # One shape whatever the number of peers: a list, one report per peer probed
+            # (empty when --max-age found every peer's report fresh).
+            print_json([r.to_json() for r in reports])
         code = max((r.exit_code for r in reports), default=0)
         if code:
             raise typer.Exit(code)
 
     @app.command()
-    def responder(profile: ProfileOpt = None, host: HostOpt = None, json_: JsonOpt = False) -> None:
+    def responder(
+        profile: ProfileOpt = None,
+        host: HostOpt = None,
+        dry_run: DryRunOpt = False,
+        json_: JsonOpt = False,
+    ) -> None:
         """Serve the probe's peer side on this host's link address: a TCP echo for
         latency and `iperf3 -s` for throughput. Runs until SIGTERM/Ctrl-C.
 
@@ -150,8 +157,9 @@ def register(app: typer.Typer) -> None:
         each host's probe measures against the other's. Its banner also hands the peer
         this host's calibration, which the peer's probe stores.
 
-        Example:
+        Examples:
           linkctl responder --profile dgx-mac
+          linkctl responder --dry-run --json
         """
         import json
         import sys
@@ -169,6 +177,17 @@ def register(app: typer.Typer) -> None:
             host=me.name,
             calibration=lambda: calibration_of(me.name),
         )
+        if dry_run:
+            plan = r.plan()
+            if json_:
+                print_json(plan)
+            else:
+                console.print(
+                    f"responder {me.name} [dry run]: would listen on {me.ip}:{spec.responder_port} "
+                    f"(TCP echo) and run {' '.join(plan['iperf_argv'])}",
+                    markup=False,
+                )
+            return
 
         def ready(info: dict) -> None:
             if json_:

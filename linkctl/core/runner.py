@@ -8,8 +8,11 @@ recorded outputs (macOS) while Linux tests run the real thing.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
+import signal
 import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,6 +92,7 @@ class Runner:
         *,
         stdout: Any = subprocess.DEVNULL,
         stderr: Any = subprocess.DEVNULL,
+        stdin: Any = subprocess.DEVNULL,
         env: dict[str, str] | None = None,
         new_session: bool = False,
         cgroups: Sequence[str] = (),
@@ -110,7 +114,7 @@ class Runner:
         try:
             return subprocess.Popen(
                 argv,
-                stdin=subprocess.DEVNULL,
+                stdin=stdin,
                 stdout=stdout,
                 stderr=stderr,
                 env=env,
@@ -119,6 +123,47 @@ class Runner:
             )
         except FileNotFoundError:
             raise CommandNotFound(argv[0], f"install {argv[0]} or put it on PATH") from None
+
+
+def foreground(argv: Sequence[str], *, env: dict[str, str] | None = None) -> int:
+    """Run ``argv`` on this terminal (stdin, stdout and stderr passed through) until it
+    exits, passing SIGTERM and SIGINT on to it, so that stopping the caller stops the
+    command. Returns its exit status as a shell does: 128 + N when signal N ended it.
+
+    A SIGINT from the terminal (Ctrl-C) already reached the command, which is in the
+    terminal's foreground process group with the caller: it is not sent twice."""
+    child: list[subprocess.Popen] = []
+    early: list[int] = []  # a signal before the child exists: sent once it does
+
+    def forward(signum: int, _frame: object) -> None:
+        if signum == signal.SIGINT and _terminal_sends_sigint():
+            return
+        if not child:
+            early.append(signum)
+            return
+        with contextlib.suppress(ProcessLookupError):
+            child[0].send_signal(signum)
+
+    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        proc = default_runner().spawn(argv, stdin=None, stdout=None, stderr=None, env=env)
+        child.append(proc)
+        for sig in early:
+            proc.send_signal(sig)
+        code = proc.wait()
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    return 128 - code if code < 0 else code
+
+
+def _terminal_sends_sigint() -> bool:
+    """True when this process group is its terminal's foreground group (Ctrl-C there
+    signals every process of the group)."""
+    try:
+        return os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
+    except (OSError, ValueError):  # no terminal, or stdin closed
+        return False
 
 
 def stop_process(

@@ -174,7 +174,7 @@ class Estimate:
     link: LinkFigures | None
     fits_head_alone: bool
     local: Scenario | None
-    split: Scenario | None  # the default (llama.cpp) or --tensor-split split
+    split: Scenario | None  # the default (llama.cpp) or --split split
     recommended: Scenario | None  # memory-feasible split minimising decode time
     advice: Advice
     network_per_layer_us: float
@@ -515,7 +515,7 @@ def estimate(
             if len(tensor_split) != len(devs):
                 order = ", ".join(f"{p.host}" for p in devs)
                 raise InputError(
-                    f"--tensor-split has {len(tensor_split)} weights, the split has "
+                    f"--split has {len(tensor_split)} weights, the split has "
                     f"{len(devs)} devices ({order}, llama.cpp order)",
                     f"give {len(devs)} comma-separated weights",
                 )

@@ -1,7 +1,7 @@
 """llama.cpp's layer assignment (llama-model.cpp load_tensors): the split devices are
 the RPC servers first (in --rpc order), then the head's local GPU; the n_layer blocks
 plus the output layer are dealt out in proportion to each device's free memory (or
---tensor-split weights), with llama.cpp's float32 split points; a CPU-only head takes
+--split weights), with llama.cpp's float32 split points; a CPU-only head takes
 no layers (only the input embeddings, which stay on the CPU).
 """
 
@@ -30,7 +30,7 @@ def llama_slot_devices(n_layer: int, weights: list[float], ngl: int = 99) -> lis
         acc = _f32(acc + _f32(w))
         splits.append(acc)
     if acc <= 0:
-        raise InputError("--tensor-split weights are all zero", "give at least one weight > 0")
+        raise InputError("--split weights are all zero", "give at least one weight > 0")
     splits = [_f32(s / acc) for s in splits]
     i_gpu_start = max(n_layer + 1 - ngl, 0)
     act = min(ngl, n_layer + 1)

@@ -111,7 +111,7 @@ def render(est: Estimate) -> None:
     if est.recommended:
         order = est.model.get("split_order", [])
         console.print(
-            f"recommended --tensor-split {','.join(map(str, est.recommended.tensor_split))}"
+            f"recommended --split {','.join(map(str, est.recommended.tensor_split))}"
             f" [dim](order: {', '.join(order)})[/]"
         )
     console.print()

@@ -7,12 +7,35 @@ from __future__ import annotations
 from pathlib import Path
 
 from linkctl.core.errors import InputError
-from linkctl.core.profile import Profile
-from linkctl.core.records import ProbeRecord, latest_probe_path, load_calibrations, load_probe
+from linkctl.core.profile import Profile, parse_split_spec
+from linkctl.core.records import (
+    ProbeRecord,
+    latest_probe_path,
+    load_calibrations,
+    load_probe,
+    parse,
+)
 from linkctl.estimate.catalog import apply_calibration, get_device, load_catalog, rpc_role
 from linkctl.estimate.cost import GIB, Estimate, LinkFigures, Participant, estimate
 from linkctl.estimate.layers import split_devices
 from linkctl.estimate.notes import Note, NoteKind
+
+
+def probe_arg(path: Path) -> ProbeRecord:
+    """--probe FILE: a saved report, or what `probe --json` printed (a list of reports,
+    one per peer; the estimate takes one link's)."""
+    import json
+
+    fix = "give `linkctl probe --peer NAME --json` output or a saved report (<state dir>/probe/)"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise InputError(f"--probe {path} is unreadable: {e}", fix) from None
+    if isinstance(data, list):
+        if len(data) != 1:
+            raise InputError(f"--probe {path}: {len(data)} reports, one per peer", fix)
+        data = data[0]
+    return parse(ProbeRecord, data, str(path), "probe report", fix)
 
 
 def link_figures(
@@ -25,7 +48,7 @@ def link_figures(
     path = probe or latest_probe_path()
     report: ProbeRecord | None = None
     if path.is_file():
-        report = load_probe(path)
+        report = probe_arg(path) if probe else load_probe(path)
     elif probe is not None:
         raise InputError(f"--probe {probe}: no such file", "give a `linkctl probe --json` report")
     if report is None and (rtt_us is None or throughput_gbps is None):
@@ -104,16 +127,14 @@ def participants(
     return out, notes
 
 
-def parse_split(text: str | None) -> list[float] | None:
+def parse_split(text: str | None) -> str | list[float] | None:
+    """--split as `linkctl serve --split` takes it: recommended, llama or weights."""
     if text is None:
         return None
     try:
-        vals = [float(x) for x in text.replace("/", ",").split(",") if x.strip()]
-    except ValueError:
-        raise InputError(f"--tensor-split {text!r}: not numbers", "write e.g. 3,1") from None
-    if not vals or any(v < 0 for v in vals):
-        raise InputError(f"--tensor-split {text!r}: needs non-negative weights", "e.g. 3,1")
-    return vals
+        return parse_split_spec(text)
+    except ValueError as e:
+        raise InputError(f"--split {text!r}: {e}") from None
 
 
 def run_estimate(
@@ -121,7 +142,7 @@ def run_estimate(
     model_path: Path,
     *,
     probe: Path | None = None,
-    tensor_split: list[float] | None = None,
+    split: str | list[float] | None = None,
     ctx: int | None = None,
     prompt: int = 512,
     rtt_us: float | None = None,
@@ -137,16 +158,25 @@ def run_estimate(
         raise InputError(f"--prompt {prompt}: must be at least 1", "e.g. --prompt 512")
     parts, notes = participants(prof, query_rpc, calibration)
     link = link_figures(probe, rtt_us, throughput_gbps) if prof.rpc_hosts else None
-    est = estimate(
-        model,
-        parts,
-        link,
-        prof.serve.ctx if ctx is None else ctx,
-        tensor_split,
-        ngl=prof.serve.ngl,
-        n_prompt=prompt,
-        depth=depth,
-    )
+    n_ctx = prof.serve.ctx if ctx is None else ctx
+
+    def predict(weights: list[float] | None) -> Estimate:
+        return estimate(
+            model, parts, link, n_ctx, weights, ngl=prof.serve.ngl, n_prompt=prompt, depth=depth
+        )
+
+    # "llama" is llama.cpp's own split: the estimate's split when no weights are given.
+    est = predict(split if isinstance(split, list) else None)
+    if split == "recommended":
+        # What `serve --split recommended` runs: the recommended split's layer counts
+        # as weights, so the split section predicts exactly that placement.
+        if est.recommended is None:
+            raise InputError(
+                "--split recommended: no split to recommend (no rpc host, or no split of "
+                f"{model_path.name} fits the devices' memory)",
+                "drop --split to see the local prediction",
+            )
+        est = predict([float(c) for c in est.recommended.tensor_split])
     est.warnings += notes
     est.model["split_order"] = [p.host for p in split_devices(parts)]
     return est

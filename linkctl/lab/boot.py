@@ -15,8 +15,9 @@ import sys
 import time
 import tomllib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from linkctl.core.errors import InputError
 from linkctl.core.profile import Profile, parse_profile
@@ -24,7 +25,7 @@ from linkctl.core.runner import Result, Runner, default_runner
 from linkctl.core.stopflag import sigterm_as_interrupt
 from linkctl.lab import netns
 from linkctl.lab.container import Bind, Container
-from linkctl.lab.rootfs import VENV, Image, Log, quiet
+from linkctl.lab.rootfs import VENV, Image, ImagePlan, Log, quiet
 
 MODEL_DIR = "/srv/linkctl"  # the head's model, bound read-only
 
@@ -72,6 +73,58 @@ def llama_dir() -> Path | None:
     return d if (d / ".complete").is_file() else None  # scripts/build-llama.sh's marker
 
 
+def binds_for(profile: Profile, host: str, llama: Path | None, model: Path | None) -> list[Bind]:
+    """What a host's container binds read-only: the llama.cpp build, and the head's model."""
+    binds = []
+    if llama:
+        binds.append(Bind(str(llama), str(llama)))
+    if model and profile.host(host).role == "head":
+        binds.append(Bind(str(model.parent), MODEL_DIR))
+    return binds
+
+
+@dataclass
+class BootPlan:
+    """`lab boot --dry-run`: the lab, the image and the containers it would make."""
+
+    profile: str
+    lab: netns.Lab
+    namespaces: list[str]
+    image: ImagePlan
+    containers: dict[str, dict[str, Any]]  # by profile host: name, directory, netns, binds
+    llama: str | None
+    install: bool
+
+    def as_json(self) -> dict[str, Any]:
+        return {**asdict(self), "dry_run": True}
+
+
+def plan(profile: Profile, name: str, llama: Path | None, install: bool) -> BootPlan:
+    """What `lab boot` would make, changing nothing (the refusals of netns.plan and
+    rootfs's apt source included)."""
+    from linkctl.lab import rootfs
+
+    lab = netns.plan(profile, name)
+    containers = {
+        h.name: {
+            "name": f"{name}-{h.name}",
+            "dir": str(rootfs.WORK / f"{name}-{h.name}"),
+            "netns": h.netns,
+            "binds": [b.arg() for b in binds_for(profile, h.name, llama, None)],
+        }
+        for h in lab.hosts
+    }
+    return BootPlan(
+        profile.name,
+        lab,
+        netns.namespaces(lab),
+        rootfs.plan(),
+        containers,
+        str(llama) if llama else None,
+        install,
+    )
+
+
 @dataclass
 class BootLab:
     """The profile's hosts as booted containers on a lab (`linkctl lab up`) of their own.
@@ -113,11 +166,7 @@ class BootLab:
         )
         self.profile_in_container = f"/root/{profile.name}-lab.toml"
         for h in lab.hosts:
-            binds = []
-            if self.llama:
-                binds.append(Bind(str(self.llama), str(self.llama)))
-            if self.model and profile.host(h.name).role == "head":
-                binds.append(Bind(str(self.model.parent), MODEL_DIR))
+            binds = binds_for(profile, h.name, self.llama, self.model)
             c = Container(f"{self.name}-{h.name}", h.netns, self.image, binds, runner=self.runner)
             self._undo.append(c.destroy)
             c.create()

@@ -24,7 +24,7 @@ import json
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from linkctl.core.errors import LinkctlError
 from linkctl.core.paths import state_dir
 from linkctl.core.profile import Profile
 from linkctl.core.runner import Runner, default_runner
+from linkctl.lab import netns
 from linkctl.lab.demo_context import DemoContext, DemoOptions, DemoReport, StepInfo
 from linkctl.lab.demo_steps import Step, steps
 
@@ -48,6 +49,26 @@ class Demo:
     def out_dir(self) -> Path:
         """Report and logs: in the state directory, outside the lab (which is removed)."""
         return state_dir() / "demo" / self.opts.name
+
+    def plan(self) -> DemoPlan:
+        """What run() would do (`lab demo --dry-run`): the same refusals (options, a lab
+        already up), every step's title in order, and where it would write; makes,
+        starts and writes nothing."""
+        rate_bps = self.opts.check()
+        ctx = DemoContext(self.profile, self.opts, rate_bps, self.out_dir, self.runner, self.say)
+        titles = []
+        for step in steps(ctx):
+            step.plan(ctx)
+            if not step.silent:
+                titles.append(step.title)
+        assert ctx.lab is not None
+        return DemoPlan(
+            profile=self.profile.name,
+            lab=ctx.lab,
+            namespaces=netns.namespaces(ctx.lab),
+            steps=titles,
+            writes=[ctx.lab.root, str(self.out_dir)],
+        )
 
     def run(self) -> DemoReport:
         """Run every step; always clean up. Returns the report (also saved)."""
@@ -98,6 +119,21 @@ class Demo:
         self.done.append(info)
         shown = "done" if info.result is None else info.result
         self.say(f"     {shown} ({info.seconds:.1f} s)")
+
+
+@dataclass
+class DemoPlan:
+    """`lab demo --dry-run`: the lab it would make, its steps, the directories it writes
+    (the lab's, removed at the end; the report's and logs', kept)."""
+
+    profile: str
+    lab: netns.Lab
+    namespaces: list[str]
+    steps: list[str]
+    writes: list[str]
+
+    def as_json(self) -> dict[str, Any]:
+        return {**asdict(self), "dry_run": True}
 
 
 def left_behind(ctx: DemoContext) -> list[str]:

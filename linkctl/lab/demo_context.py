@@ -249,6 +249,7 @@ class DemoContext:
     head_prof_path: Path = Path()  # the head's copy (rpc ports at the delay proxies)
     model_path: Path = Path()
     prof: dict[str, Any] = field(default_factory=dict)  # prof_path, parsed
+    head_prof: dict[str, Any] = field(default_factory=dict)  # head_prof_path, parsed
     background: list[Background] = field(default_factory=list)
     cal_files: list[str] = field(default_factory=list)  # the rpc hosts' calibrations
     rtts: list[float] = field(default_factory=list)  # RPC round trip p50 per rpc host

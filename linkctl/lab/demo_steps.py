@@ -56,6 +56,10 @@ class Step:
     def run(self, ctx: DemoContext) -> str | None:
         raise NotImplementedError
 
+    def plan(self, ctx: DemoContext) -> None:
+        """For `lab demo --dry-run`: set, changing nothing, what later steps' titles need."""
+        return None
+
     def cleanup(self, ctx: DemoContext) -> None:
         return None
 
@@ -67,6 +71,9 @@ class LabUp(Step):
     def run(self, ctx: DemoContext) -> str:
         ctx.lab = lab = netns.up(ctx.profile, ctx.opts.name)
         return ", ".join(f"{h.name} {h.address}" for h in lab.hosts)
+
+    def plan(self, ctx: DemoContext) -> None:
+        ctx.lab = netns.plan(ctx.profile, ctx.opts.name)
 
     def cleanup(self, ctx: DemoContext) -> None:
         if ctx.lab is not None:
@@ -83,10 +90,20 @@ class WriteProfiles(Step):
     def run(self, ctx: DemoContext) -> None:
         import tomli_w
 
+        self.plan(ctx)
+        ctx.prof_path.write_text(tomli_w.dumps(ctx.prof))
+        if ctx.head_prof_path != ctx.prof_path:
+            ctx.head_prof_path.write_text(tomli_w.dumps(ctx.head_prof))
+
+    def plan(self, ctx: DemoContext) -> None:
+        """Both profiles, their paths and the report's lab sections, in memory."""
+        import tomli_w
+
         assert ctx.lab is not None
         root = Path(ctx.lab.root)
         ctx.model_path = root / "tiny.gguf"
-        data = tomllib.loads(Path(ctx.lab.profile_path).read_text())
+        # The lab profile, as `lab up` writes it (ctx.lab.profile_path).
+        data = netns.remap_profile(ctx.profile).to_toml_dict()
         t = ctx.opts.threads
         data["serve"] |= {"model": str(ctx.model_path), "ctx": MODEL_SPEC["n_ctx"], "threads": t}
         for h in data["hosts"]:
@@ -95,14 +112,13 @@ class WriteProfiles(Step):
             # The shaped link is slow on purpose: hold it to 80% of the rate set.
             data["probe"]["min_throughput_gbps"] = round(0.8 * ctx.rate_bps / 1e9, 3)
         ctx.prof_path = ctx.head_prof_path = root / "demo.toml"
-        ctx.prof_path.write_text(tomli_w.dumps(data))
-        ctx.prof = tomllib.loads(ctx.prof_path.read_text())
+        ctx.prof = ctx.head_prof = tomllib.loads(tomli_w.dumps(data))
         if ctx.opts.delay_ms:
             for h in data["hosts"]:
                 if h["role"] == "rpc":
                     h["rpc"]["port"] += PROXY_PORT_OFFSET
             ctx.head_prof_path = root / "demo-head.toml"
-            ctx.head_prof_path.write_text(tomli_w.dumps(data))
+            ctx.head_prof = tomllib.loads(tomli_w.dumps(data))
         prof, lab, rep = ctx.prof, ctx.lab, ctx.report
         rep.profile = ctx.profile.name
         rep.lab = LabInfo(name=lab.name, subnet=prof["link"]["subnet"], profile=str(ctx.prof_path))
@@ -222,9 +238,9 @@ class Probe(Step):
         argv = ["linkctl", "probe", "--profile", str(ctx.prof_path), "--peer", self.peer]
         r = ctx.run_in(self.head, [*argv, "--json"], log, timeout=180)
         data: Any = None
-        if r.stdout.strip().startswith("{"):
-            with contextlib.suppress(ValueError):
-                data = json.loads(r.stdout)
+        if r.stdout.strip().startswith("["):  # a list of reports, one per peer probed
+            with contextlib.suppress(ValueError, LookupError):
+                data = json.loads(r.stdout)[0]
         rec = None
         if data:
             rec = parse(
@@ -525,8 +541,7 @@ def steps(ctx: DemoContext) -> Iterator[Step]:
     if o.delay_ms:
         yield from (DelayProxy(h, o.delay_ms) for h in rpc_hosts)
     yield Doctor(head)
-    head_prof = tomllib.loads(ctx.head_prof_path.read_text())
-    for h in (x for x in head_prof["hosts"] if x["role"] == "rpc"):
+    for h in (x for x in ctx.head_prof["hosts"] if x["role"] == "rpc"):
         yield RpcRoundTrip(head, h["address"].split("/")[0], h["rpc"]["port"])
     yield EstimateOnHead()
     yield Verify(head)

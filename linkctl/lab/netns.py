@@ -147,9 +147,9 @@ def load_lab(name: str) -> Lab:
     return Lab(**d)
 
 
-def up(profile: Profile, name: str = "lab") -> Lab:
-    """Create the namespaces, links and routes. Refuses if the lab already exists."""
-    from pyroute2 import IPRoute, netns
+def plan(profile: Profile, name: str = "lab") -> Lab:
+    """The lab `up` would make, changing nothing; refuses a bad name or a lab already up."""
+    from pyroute2 import netns
 
     _check_name(name)
     root = lab_root(name)
@@ -159,12 +159,9 @@ def up(profile: Profile, name: str = "lab") -> Lab:
         raise InputError(
             f"lab {name!r} is already up", f"run `linkctl lab down --name {name}` first"
         )
-    lab_profile = remap_profile(profile)
     prefix = f"lk-{name}-"
-    wifi_ns = prefix + "wifi"
-    switch_ns = prefix + "sw" if len(profile.hosts) > 2 else None
     hosts = []
-    for i, h in enumerate(lab_profile.hosts, start=1):
+    for i, h in enumerate(remap_profile(profile).hosts, start=1):
         wifi_net = ipaddress.IPv4Network(f"198.19.{i}.0/24")
         hosts.append(
             LabHost(
@@ -176,10 +173,29 @@ def up(profile: Profile, name: str = "lab") -> Lab:
                 gateway=str(wifi_net.network_address + 1),
             )
         )
-    lab = Lab(name, profile.name, str(root / "profile.toml"), hosts, wifi_ns, switch_ns, str(root))
+    switch_ns = prefix + "sw" if len(profile.hosts) > 2 else None
+    return Lab(
+        name, profile.name, str(root / "profile.toml"), hosts, prefix + "wifi", switch_ns, str(root)
+    )
+
+
+def namespaces(lab: Lab) -> list[str]:
+    """The lab's namespaces, in the order `up` creates them."""
+    return [lab.wifi_netns, *([lab.switch_netns] if lab.switch_netns else [])] + [
+        h.netns for h in lab.hosts
+    ]
+
+
+def up(profile: Profile, name: str = "lab") -> Lab:
+    """Create the namespaces, links and routes. Refuses if the lab already exists."""
+    from pyroute2 import IPRoute, netns
+
+    lab = plan(profile, name)
+    lab_profile = remap_profile(profile)
+    root, hosts = Path(lab.root), lab.hosts
     created: list[str] = []
     try:
-        for ns in [wifi_ns, *([switch_ns] if switch_ns else []), *(h.netns for h in hosts)]:
+        for ns in namespaces(lab):
             netns.create(ns)
             created.append(ns)
             with IPRoute(netns=ns) as ipr:
@@ -292,22 +308,40 @@ def _remove_netns(ns: str) -> None:
         netns.remove(ns)
 
 
-def down(name: str = "lab") -> list[str]:
-    """Kill every process in the lab's namespaces, delete them and the lab's files.
-    Idempotent: returns what it removed (empty when nothing was up)."""
+@dataclass
+class DownPlan:
+    """What `down` removes: the lab's namespaces (and the processes in them) and its
+    directory in the state dir."""
+
+    namespaces: list[str]
+    processes: dict[str, list[int]]  # by namespace: the pids that get SIGTERM, then SIGKILL
+    root: str | None  # the lab's directory, when it exists
+
+    @property
+    def items(self) -> list[str]:
+        return self.namespaces + ([self.root] if self.root else [])
+
+
+def down_plan(name: str = "lab") -> DownPlan:
     from pyroute2 import netns
 
     _check_name(name)
-    removed = []
-    for ns in sorted(netns.listnetns()):
-        if ns.startswith(f"lk-{name}-"):
-            _remove_netns(ns)
-            removed.append(ns)
+    found = sorted(ns for ns in netns.listnetns() if ns.startswith(f"lk-{name}-"))
     root = lab_root(name)
-    if root.exists():
-        shutil.rmtree(root)
-        removed.append(str(root))
-    return removed
+    return DownPlan(
+        found, {ns: _netns_pids(ns) for ns in found}, str(root) if root.exists() else None
+    )
+
+
+def down(name: str = "lab") -> list[str]:
+    """Kill every process in the lab's namespaces, delete them and the lab's files.
+    Idempotent: returns what it removed (empty when nothing was up)."""
+    p = down_plan(name)
+    for ns in p.namespaces:
+        _remove_netns(ns)
+    if p.root:
+        shutil.rmtree(p.root)
+    return p.items
 
 
 @contextlib.contextmanager

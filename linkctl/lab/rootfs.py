@@ -152,9 +152,13 @@ class Recipe:
         )
 
 
+def base_dir(recipe: Recipe) -> Path:
+    return CACHE / "rootfs" / recipe.key
+
+
 def build_base(recipe: Recipe, runner: Runner, log: Log = quiet) -> Path:
     """The base rootfs for ``recipe`` (cached): returns its root directory."""
-    final = CACHE / "rootfs" / recipe.key
+    final = base_dir(recipe)
     if is_published(final):
         return final / "root"
     if not runner.which("mmdebstrap"):
@@ -214,13 +218,18 @@ def _dependencies(repo: Path) -> list[str]:
     return tomllib.loads((repo / "pyproject.toml").read_text())["project"]["dependencies"]
 
 
-def host_wheels(runner: Runner, repo: Path = REPO_ROOT, log: Log = quiet) -> Path:
-    """Wheels of linkctl's dependencies, built on this host with its pip (cached)."""
+def wheels_dir(repo: Path = REPO_ROOT) -> Path:
+    """Where the wheels of linkctl's dependencies are cached (for this Python)."""
     if not (repo / "pyproject.toml").is_file():
         raise InputError(f"no pyproject.toml in {repo}", "run the boot harness from a checkout")
+    key = _digest({"deps": _dependencies(repo), "python": sys.version_info[:2]})
+    return CACHE / "wheels" / key
+
+
+def host_wheels(runner: Runner, repo: Path = REPO_ROOT, log: Log = quiet) -> Path:
+    """Wheels of linkctl's dependencies, built on this host with its pip (cached)."""
+    final = wheels_dir(repo)
     deps = _dependencies(repo)
-    key = _digest({"deps": deps, "python": sys.version_info[:2]})
-    final = CACHE / "wheels" / key
     if is_published(final):
         return final
     log(f"wheels: pip wheel {len(deps)} dependencies")
@@ -305,6 +314,26 @@ class Image:
         shutil.rmtree(self.wheel.parent, ignore_errors=True)
 
 
+@dataclass
+class ImagePlan:
+    """What prepare() would use or build (`lab boot --dry-run`)."""
+
+    base: str  # the Debian rootfs (mmdebstrap), cached
+    base_cached: bool
+    wheels: str  # linkctl's dependencies as wheels, cached
+    wheels_cached: bool
+    work: str  # per run: linkctl's wheel and one directory per container, removed after
+
+
+def recipe(network_manager: bool = False) -> Recipe:
+    return Recipe(apt_source(), PACKAGES + (NM_PACKAGES if network_manager else ()))
+
+
+def plan(*, network_manager: bool = False, work: Path = WORK) -> ImagePlan:
+    base, wheels = base_dir(recipe(network_manager)), wheels_dir()
+    return ImagePlan(str(base), is_published(base), str(wheels), is_published(wheels), str(work))
+
+
 def prepare(
     runner: Runner | None = None,
     *,
@@ -314,8 +343,7 @@ def prepare(
 ) -> Image:
     """Everything a container needs before its first boot, cached where possible."""
     runner = runner or default_runner()
-    packages = PACKAGES + (NM_PACKAGES if network_manager else ())
-    base = build_base(Recipe(apt_source(), packages), runner, log)
+    base = build_base(recipe(network_manager), runner, log)
     deps = build_deps(base, host_wheels(runner, log=log), runner, log)
     work.mkdir(parents=True, exist_ok=True)
     wheel = linkctl_wheel(runner, Path(tempfile.mkdtemp(prefix="wheel-", dir=work)))

@@ -8,6 +8,7 @@ parts into the ``ProbeRecord`` that `probe --json` prints and ``estimate``, ``se
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -174,6 +175,19 @@ _METRICS: dict[str, tuple[str, str]] = {
 }
 
 
+def _number(value: float | int) -> str:
+    """A sample's value exactly as the report has it: integers as integers (byte counts
+    past 2**53, the timestamp), floats at repr precision (round-trips), never ``%g``'s
+    six digits (a timestamp as 1.79641e+09 is up to ~5000 s off)."""
+    if isinstance(value, int):  # bool included
+        return str(int(value))
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value))
+
+
 def to_prometheus(reports: list[ProbeReport]) -> str:
     """Every figure of every report, in the text exposition format (HELP/TYPE once)."""
     samples: dict[str, list[str]] = {k: [] for k in _METRICS}
@@ -181,13 +195,14 @@ def to_prometheus(reports: list[ProbeReport]) -> str:
     def put(name: str, labels: dict[str, Any], value: float | int | None) -> None:
         if value is None:
             return
-        samples[name].append(f"{name}{_labels(labels)} {float(value):g}")
+        samples[name].append(f"{name}{_labels(labels)} {_number(value)}")
 
     for r in reports:
         base = {"profile": r.profile, "host": r.host, "peer": r.peer}
         put("linkctl_probe_ok", base, int(r.ok))
         put("linkctl_probe_exit_code", base, r.exit_code)
-        ts = datetime.fromisoformat(r.time).timestamp()
+        # The report's time is to the second: so is the sample, as an integer.
+        ts = round(datetime.fromisoformat(r.time).timestamp())
         put("linkctl_probe_timestamp_seconds", base, ts)
         put("linkctl_probe_duration_seconds", base, round(r.elapsed_s, 3))
         for c in r.checks:

@@ -143,6 +143,19 @@ class Responder:
             finally:
                 self.stop()
 
+    def plan(self) -> dict[str, Any]:
+        """What start() would listen on and run (`responder --dry-run`): starts nothing,
+        but refuses as start() does when iperf3 is missing."""
+        iperf_bin = iperf3_path(self.runner) if self.iperf else None
+        return {
+            "service": SERVICE,
+            "address": self.address,
+            "port": self.port,
+            "iperf_port": self.iperf_port if self.iperf else None,
+            "iperf_argv": self._iperf_argv(iperf_bin) if iperf_bin else None,
+            "dry_run": True,
+        }
+
     def info(self) -> dict[str, Any]:
         p = self._iperf_proc
         return {
@@ -162,9 +175,10 @@ class Responder:
         with self._iperf_lock:
             if self._stop.is_set():
                 return
-            self._iperf_proc = self.runner.spawn(
-                [iperf_bin, "-s", "-B", self.address, "-p", str(self.iperf_port)]
-            )
+            self._iperf_proc = self.runner.spawn(self._iperf_argv(iperf_bin))
+
+    def _iperf_argv(self, iperf_bin: str) -> list[str]:
+        return [iperf_bin, "-s", "-B", self.address, "-p", str(self.iperf_port)]
 
     def _supervise(self, iperf_bin: str) -> None:
         backoff = 0.2

@@ -168,4 +168,4 @@ def _estimate_for(
             "set serve.model or pass --model PATH",
         )
     ts = choice.tensor_split if choice.mode == "weights" else None
-    return run_estimate(profile, Path(model), tensor_split=ts, calibration=calibration)
+    return run_estimate(profile, Path(model), split=ts, calibration=calibration)

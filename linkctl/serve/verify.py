@@ -152,18 +152,49 @@ class VerifyReport:
         }
 
 
-def default_model() -> tuple[str, str]:
-    """The tiny random-weight GGUF (same bytes every time), written once to the state dir."""
+DEFAULT_SOURCE = f"default: tiny random-weight llama written by linkctl ({TINY['n_layer']} layers)"
+
+
+def default_model_path() -> Path:
+    """Where the default model lives: written once to the state dir (same bytes every time)."""
     from linkctl.core.paths import state_dir
+    from linkctl.gguf.tiny import TinySpec
+
+    s = TinySpec(**TINY)
+    return state_dir() / "verify" / f"tiny-{s.n_layer}L-{s.n_embd}d-seed{s.seed}.gguf"
+
+
+def default_model() -> tuple[str, str]:
+    """The tiny random-weight GGUF, written to the state dir if it is not there yet."""
     from linkctl.gguf.tiny import TinySpec, write_tiny_llama
 
-    spec = TinySpec(**TINY)
-    path = state_dir() / "verify" / f"tiny-{spec.n_layer}L-{spec.n_embd}d-seed{spec.seed}.gguf"
+    path = default_model_path()
     if not path.is_file():
-        write_tiny_llama(path, spec)
-    return str(
-        path
-    ), f"default: tiny random-weight llama written by linkctl ({spec.n_layer} layers)"
+        write_tiny_llama(path, TinySpec(**TINY))
+    return str(path), DEFAULT_SOURCE
+
+
+def plan_unwritten(
+    prof: Profile, opts: VerifyOptions, bins: LlamaBins, say: Say, runner: Runner
+) -> VerifyReport:
+    """A dry run's plan when the default model is not written yet. A dry run writes
+    nothing to the state dir: the plan is made on a copy in a temporary directory
+    (removed before this returns) and names the path the first real run writes."""
+    import tempfile
+    from dataclasses import replace
+
+    from linkctl.gguf.tiny import TinySpec, write_tiny_llama
+
+    final = default_model_path()
+    with tempfile.TemporaryDirectory(prefix="linkctl-verify-") as tmp:
+        copy = Path(tmp) / final.name
+        write_tiny_llama(copy, TinySpec(**TINY))
+        rep = plan(prof, replace(opts, model=str(copy)), bins, say, runner, dry_run=True)
+    rep.model = str(final)
+    rep.model_source = f"{DEFAULT_SOURCE}; not written yet: the first run that is not dry writes it"
+    for pl in (rep.reference, rep.split):
+        pl.invocation = pl.invocation.changed(model=str(final))
+    return rep
 
 
 def greedy_steps(server: LlamaServer, prompt: str, opts: VerifyOptions) -> list[Step]:
@@ -345,7 +376,9 @@ def verify(
     t0 = time.monotonic()
     runner = runner or default_runner()
     opts.check()
-    resolve_model(opts)  # bad input is refused before anything is contacted
+    unwritten = dry_run and not opts.model and not default_model_path().is_file()
+    if not unwritten:
+        resolve_model(opts)  # bad input is refused before anything is contacted
     bins.need("llama-server")
     if check_endpoints and not dry_run:
         # A busy rpc-server (the head's llama-server holds it) would hang our split.
@@ -355,7 +388,10 @@ def verify(
         local = local_rpc_protocol(bins) if bins.rpc_server else None
         for name, e in hello_all(prof, local, bins.build(), timeout=5.0).items():
             say(f"rpc endpoint {name} {e.host}:{e.port}: protocol {e.version_str}")
-    rep = plan(prof, opts, bins, say, runner, dry_run=dry_run)
+    if unwritten:
+        rep = plan_unwritten(prof, opts, bins, say, runner)
+    else:
+        rep = plan(prof, opts, bins, say, runner, dry_run=dry_run)
     rep.dry_run = dry_run
     if dry_run:
         rep.elapsed_s = time.monotonic() - t0

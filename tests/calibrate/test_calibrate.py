@@ -280,3 +280,30 @@ def test_estimate_query_rpc_uses_the_servers_free_memory(make_lab, tmp_path):
     finally:
         srv.terminate()
         srv.wait(10)
+
+
+def test_host_help_says_what_calibrate_does_when_no_host_matches(tmp_path):
+    """--host: the default is the detected host, as for every command acting as one
+    host; no host matching is exit 2 asking for --host (the help once promised a
+    fallback to the head, which would store the head's name on an rpc host's figures)."""
+    import os
+
+    from support.cli import linkctl
+    from support.paths import PROFILES
+
+    data = tomllib.loads((PROFILES / "dgx-mac.toml").read_text())
+    for h in data["hosts"]:
+        h["os"], h["interface"] = "linux", f"lkno{h['name']}0"  # no such port here
+    prof = tmp_path / "absent.toml"
+    prof.write_text(tomli_w.dumps(data))
+    env = {k: v for k, v in os.environ.items() if k != "LINKCTL_HOST"}
+    env["LINKCTL_STATE_DIR"] = str(tmp_path / "state")
+    r = linkctl("calibrate", "--profile", str(prof), "--dry-run", env=env)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "matches this machine" in r.stderr and "(fix: pass --host NAME)" in r.stderr
+    assert not (tmp_path / "state").exists()
+    text = " ".join(linkctl("calibrate", "--help").stdout.split())
+    assert "--host <str> Which profile host this machine is (default: detected)." in text
+    assert "head" not in text.split("--host", 1)[1].split("--", 1)[0]
+    probe_help = " ".join(linkctl("probe", "--help").stdout.split())
+    assert "--host <str> Which profile host this machine is (default: detected)." in probe_help

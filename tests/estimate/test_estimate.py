@@ -210,7 +210,7 @@ def test_model_larger_than_all_devices(models):
 
 
 def test_tensor_split_length_checked(models):
-    with pytest.raises(InputError, match="--tensor-split has 3 weights, the split has 2"):
+    with pytest.raises(InputError, match="--split has 3 weights, the split has 2"):
         estimate(models["7b"], pair(), LINK, ctx=512, tensor_split=[1, 1, 1])
 
 
@@ -284,10 +284,30 @@ def test_cli_json_and_text(tmp_path, env):
         "network per layer",
         "dominant term",
         "decode tok/s by depth",
-        "recommended --tensor-split",
+        "recommended --split",
         "recommendation:",
     ):
         assert text in r.stdout
+
+
+def test_cli_split_takes_serves_grammar(tmp_path, env):
+    """--split as serve takes it: llama is the default split, recommended predicts the
+    placement serve runs by default, weights pin the layers."""
+    p = write_header_only(tmp_path / "70b.gguf", LLAMA_70B)
+
+    def est(*split: str) -> dict:
+        what_if = ("--rtt-us", "150", "--throughput-gbps", "9.4", "--ctx", "4096")
+        r = linkctl("estimate", "--model", str(p), *what_if, *split, "--json", env=env)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    default, llama, rec = est(), est("--split", "llama"), est("--split", "recommended")
+    assert llama["split"] == default["split"]
+    counts = [int(c) for c in default["recommended_tensor_split"].split(",")]
+    assert rec["split"]["tensor_split"] == counts != default["split"]["tensor_split"]
+    assert rec["split"]["decode_tok_s"] == default["recommended"]["decode_tok_s"]
+    pinned = est("--split", ",".join(map(str, counts)))
+    assert pinned["split"] == rec["split"]
 
 
 def test_depth_sets_the_kv_reads_and_ctx_only_the_allocation(models):
@@ -349,6 +369,27 @@ def test_metal_flash_attention_reads_only_a_sliding_window_blocks_window():
     assert on_mac.decode_tok_s > on_cuda.decode_tok_s
 
 
+def test_cli_probe_takes_what_probe_json_prints(tmp_path, env):
+    """--probe FILE: `linkctl probe --json` prints a list (one report per peer): a list
+    of one is that link; several are refused (exit 2) asking for one peer's."""
+    p = write_header_only(tmp_path / "7b.gguf", LLAMA_7B)
+    one = {
+        "latency": {"tcp": {"1": {"p50_us": 87.5, "p99_us": 120}}},
+        "throughput": {"fwd_p1": {"gbps": 9.41, "retransmits": 0}},
+    }
+    for name, data in (("list.json", [one]), ("saved.json", one)):
+        (tmp_path / name).write_text(json.dumps(data))
+        r = linkctl(
+            "estimate", "--model", str(p), "--probe", str(tmp_path / name), "--json", env=env
+        )
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["link"]["rtt_us"] == 87.5
+    (tmp_path / "two.json").write_text(json.dumps([one, one]))
+    r = linkctl("estimate", "--model", str(p), "--probe", str(tmp_path / "two.json"), env=env)
+    assert r.returncode == 2 and "2 reports, one per peer" in r.stderr
+    assert "linkctl probe --peer NAME --json" in r.stderr
+
+
 def test_cli_uses_the_saved_probe_report(tmp_path, env):
     p = write_header_only(tmp_path / "7b.gguf", LLAMA_7B)
     report = tmp_path / "state" / "probe" / "latest.json"
@@ -381,8 +422,13 @@ def test_cli_uses_the_saved_probe_report(tmp_path, env):
         (None, (), "no probe report"),
         (
             None,
-            ("--rtt-us", "100", "--throughput-gbps", "9", "--tensor-split", "1,2,3"),
-            "--tensor-split has 3 weights",
+            ("--rtt-us", "100", "--throughput-gbps", "9", "--split", "1,2,3"),
+            "--split has 3 weights",
+        ),
+        (
+            None,
+            ("--rtt-us", "100", "--throughput-gbps", "9", "--split", "fastest"),
+            "--split 'fastest': not recommended, llama or comma-separated weights",
         ),
         (None, ("--rtt-us", "-5", "--throughput-gbps", "9"), "--rtt-us -5: must be > 0"),
         (None, ("--rtt-us", "100", "--throughput-gbps", "9", "--ctx", "0"), "--ctx 0"),

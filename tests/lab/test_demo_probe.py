@@ -1,6 +1,7 @@
 """The demo's probe step: why a run did not pass, in words with figures, and one more
 run when it did not (the lab shares this machine's CPUs). The probe's own output is
-replayed from tests/fixtures/probe (what `linkctl probe --json` printed in those cases);
+replayed from tests/fixtures/probe (the report `linkctl probe --json` printed, as a list of
+one, in those cases);
 the lab run itself is tests/test_demo.py."""
 
 from __future__ import annotations
@@ -18,8 +19,13 @@ from support.paths import FIXTURES
 FIX = FIXTURES / "probe"
 
 
+def report(name: str) -> dict:
+    return json.loads((FIX / f"{name}.json").read_text())
+
+
 def fixture(name: str) -> str:
-    return (FIX / f"{name}.json").read_text()
+    """What `linkctl probe --peer P --json` prints: a list of one report (the fixture)."""
+    return json.dumps([report(name)])
 
 
 class Ctx:
@@ -43,12 +49,12 @@ class Ctx:
 
 
 def tail_failed() -> str:
-    d = json.loads(fixture("clean"))
+    d = report("clean")
     for c in d["checks"]:
         if c["name"] == "tcp rtt 1 B":
             c["verdict"], c["value"] = "FAIL", 7310.0
     d["exit_code"], d["ok"] = 1, False
-    return json.dumps(d)
+    return json.dumps([d])
 
 
 COULD_NOT_RUN, FAILED = ProbeOutcome.COULD_NOT_RUN, ProbeOutcome.FAILED

