@@ -101,11 +101,19 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Predict decode and prefill tokens/s locally and split over the link.
 
+        It needs the link's round trip and throughput: from the saved probe report
+        (`sudo linkctl probe` writes it; so does the link unit `linkctl up` installs),
+        or from --rtt-us and --throughput-gbps together (a what-if, no probe needed; they
+        also override the report's figures). With neither it refuses (exit 2).
+
         Also predicts one request's time to first token and end-to-end time for --prompt
         and --output tokens: local, layer split, and disaggregated (prefill on the rpc
         host, KV cache over the link, decode on the head), and which wins.
 
-        Example: linkctl estimate --model /models/qwen3-235b-q4.gguf --ctx 32768 --depth 8192
+        Examples:
+          sudo linkctl probe --profile dgx-mac
+          linkctl estimate --model /models/qwen3-235b-q4.gguf --ctx 32768 --depth 8192
+          linkctl estimate --model /models/70b.gguf --rtt-us 150 --throughput-gbps 9.4
         """
         from linkctl.estimate.run import parse_split, run_estimate
 
