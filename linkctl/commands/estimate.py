@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from linkctl.commands.common import JsonOpt, ProfileOpt, load
+from linkctl.commands.common import JsonOpt, ProfileOpt, emit_json, load
 
 ModelOpt = Annotated[
     Path,
@@ -114,7 +114,7 @@ def register(app: typer.Typer) -> None:
         """
         from linkctl.estimate.run import parse_split, run_estimate
 
-        prof, _ = load(profile)
+        prof, path = load(profile)
         est = run_estimate(
             prof,
             model,
@@ -146,9 +146,7 @@ def register(app: typer.Typer) -> None:
         from linkctl.estimate import report
 
         if json_out:
-            from linkctl.core.output import print_json
-
-            print_json(report.as_json(est, de))
+            emit_json(report.as_json(est, de), path)
         else:
             report.render(est)
             if de:
@@ -222,9 +220,11 @@ def register(app: typer.Typer) -> None:
         Add --dry-run first to see what it will run and where the result goes.
         """
         from linkctl.calibrate.plan import plan, render_plan
-        from linkctl.core.output import print_json
+        from linkctl.core.privilege import require_writable_state
 
-        prof, _ = load(profile)
+        if not dry_run:
+            require_writable_state("the calibration (calibration.json, calibrate/)")
+        prof, path = load(profile)
         p = plan(
             prof,
             model or [],
@@ -237,7 +237,7 @@ def register(app: typer.Typer) -> None:
         )
         if dry_run:
             if json_out:
-                print_json(p.as_json())
+                emit_json(p.as_json(), path)
             else:
                 render_plan(p)
             return
@@ -249,6 +249,6 @@ def register(app: typer.Typer) -> None:
         rec = record(p, measure(p, say=speaker("calibrate")))
         out = as_json(rec, save_calibration(p.host, rec))
         if json_out:
-            print_json(out)
+            emit_json(out, path)
         else:
             render_calibration(out)

@@ -7,9 +7,10 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from linkctl.commands.common import JsonOpt, ProfileOpt, load
+from linkctl.commands.common import JsonOpt, ProfileOpt, emit_json, load
 from linkctl.core.checks import Verdict
 from linkctl.core.output import console, print_json
+from linkctl.core.privilege import require_root
 
 if TYPE_CHECKING:
     from linkctl.lab.demo_context import DemoReport
@@ -19,6 +20,7 @@ lab_app = typer.Typer(
     no_args_is_help=True,
 )
 NameOpt = Annotated[str, typer.Option("--name", help="Lab name (namespaces are lk-NAME-HOST).")]
+NETNS = "the lab makes, enters and removes network namespaces"
 
 
 @lab_app.callback()
@@ -44,10 +46,11 @@ def lab_up(profile: ProfileOpt = None, name: NameOpt = "lab", json_: JsonOpt = F
     """
     from linkctl.lab import netns as lab
 
-    prof, _ = load(profile)
+    require_root(NETNS)
+    prof, path = load(profile)
     lb = lab.up(prof, name)
     if json_:
-        print_json(lb.as_dict())
+        emit_json(lb.as_dict(), path)
         return
     console.print(
         f"lab {lb.name!r} up from profile {prof.name!r}; remapped profile: {lb.profile_path}"
@@ -65,6 +68,7 @@ def lab_down(name: NameOpt = "lab", json_: JsonOpt = False) -> None:
     """Stop every process in the lab's namespaces and remove them (idempotent)."""
     from linkctl.lab import netns as lab
 
+    require_root(NETNS)
     removed = lab.down(name)
     if json_:
         print_json({"removed": removed})
@@ -106,6 +110,7 @@ def lab_exec(
 
     from linkctl.lab import netns as lab
 
+    require_root(NETNS)
     argv, env = lab.exec_argv(lab.load_lab(name), host, list(ctx.args))
     # Passthrough: the command talks to the user's terminal directly.
     raise typer.Exit(subprocess.call(argv, env=env))
@@ -145,7 +150,8 @@ def lab_demo(
     """
     from linkctl.lab.demo import Demo, DemoOptions
 
-    prof, _ = load(profile)
+    require_root(NETNS)
+    prof, path = load(profile)
     opts = DemoOptions(
         name=name, delay_ms=delay_ms, rate=rate, tokens=tokens, runs=runs, threads=threads
     )
@@ -159,7 +165,7 @@ def lab_demo(
         print("interrupted: lab stopped and removed", file=sys.stderr)
         raise typer.Exit(130) from None
     if json_:
-        print_json(report.as_json())
+        emit_json(report.as_json(), path)
     else:
         render_demo(report)
 
@@ -266,7 +272,8 @@ def lab_boot(
     from linkctl.core.errors import InputError
     from linkctl.lab import boot, rootfs
 
-    prof, _ = load(profile)
+    require_root(f"{NETNS} and boots containers")
+    prof, path = load(profile)
 
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -287,7 +294,7 @@ def lab_boot(
                 for h, c in bl.containers.items()
             }
             if json_:
-                print_json({"lab": name, "profile": prof.name, "hosts": hosts})
+                emit_json({"lab": name, "profile": prof.name, "hosts": hosts}, path)
             else:
                 for h, info in hosts.items():
                     console.print(

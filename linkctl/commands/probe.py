@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from linkctl.commands.common import HostOpt, JsonOpt, ProfileOpt, load_with_host
-from linkctl.core.output import console, print_json, verdict
+from linkctl.commands.common import HostOpt, JsonOpt, ProfileOpt, emit_json, load_with_host
+from linkctl.core.output import console, verdict
 
 
 def _fmt(v: object) -> str:
@@ -86,16 +86,20 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Verify and measure the link: NIC, peer ARP/MAC, path MTU, RTT, throughput, RPC.
 
-        Needs `linkctl responder` running on the peer. Exit 0 all pass, 1 a check
-        failed, 2 could not run. The report is saved to the state directory.
+        Needs root (ARP through a raw socket) and `linkctl responder` running on the
+        peer. Exit 0 all pass, 1 a check failed, 2 could not run. The report is saved
+        to the state directory, /var/lib/linkctl/probe ($LINKCTL_STATE_DIR overrides),
+        where estimate, doctor and serve read it whoever runs them.
 
         Examples:
-          linkctl probe --profile dgx-mac
-          linkctl probe --peer dgx --json --prom /var/lib/node_exporter/textfile/linkctl.prom
+          sudo linkctl probe --profile dgx-mac
+          sudo linkctl probe --peer dgx --json --prom /var/lib/node_exporter/textfile/linkctl.prom
         """
+        from linkctl.core.privilege import require_root
         from linkctl.probe import choose_peers, report, run_probe
 
-        prof, me, backend = load_with_host(profile, host)
+        require_root("probe sends ARP through a raw socket")
+        prof, me, backend, path = load_with_host(profile, host)
         peers = choose_peers(prof, me, peer)
         reports = []
         for p in peers:
@@ -122,7 +126,7 @@ def register(app: typer.Typer) -> None:
             report.write_prometheus(prom, reports)
         if json_:
             data = [r.to_json() for r in reports]
-            print_json(data[0] if len(data) == 1 else data)
+            emit_json(data[0] if len(data) == 1 else data, path)
         code = max(r.exit_code for r in reports)
         if code:
             raise typer.Exit(code)
@@ -142,13 +146,13 @@ def register(app: typer.Typer) -> None:
 
         from linkctl.probe.responder import Responder
 
-        prof, me, backend = load_with_host(profile, host)
+        prof, me, backend, path = load_with_host(profile, host)
         spec = prof.probe
         r = Responder(me.ip, spec.responder_port, spec.iperf_port, runner=backend.runner)
 
         def ready(info: dict) -> None:
             if json_:
-                sys.stdout.write(json.dumps(info) + "\n")
+                sys.stdout.write(json.dumps({"profile_path": str(path), **info}) + "\n")
             else:
                 console.print(
                     f"responder {me.name}: echo on {me.ip}:{spec.responder_port}, "

@@ -8,6 +8,7 @@ recorded outputs (macOS) while Linux tests run the real thing.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import subprocess
 from collections.abc import Callable, Sequence
@@ -158,6 +159,7 @@ class Children:
 
     def spawn(self, argv: Sequence[str], log: Path) -> subprocess.Popen:
         fh = log.open("w")
+        os.fchmod(fh.fileno(), 0o644)  # whatever the umask: users read the state's logs
         try:
             proc = self.runner.spawn(argv, stdout=fh, stderr=subprocess.STDOUT)
         except BaseException:

@@ -13,7 +13,7 @@ import tomli_w
 
 from linkctl.core.errors import InputError
 from linkctl.core.profile import load_profile, parse_profile
-from support.cli import linkctl
+from support.cli import error_lines, linkctl
 from support.lab import ns_snapshot
 from support.paths import PROFILES
 
@@ -215,6 +215,6 @@ def test_bad_profiles_change_nothing_in_the_lab(lab, tmp_path):
         path.write_text(tomli_w.dumps(d))
         r = lab.exec("dgx", "linkctl", "setup", "--profile", str(path))
         assert r.returncode == 2, (case, r.stdout, r.stderr)
-        lines = r.stderr.strip().splitlines()
+        lines = error_lines(r.stderr)
         assert len(lines) == 1 and field in lines[0], (case, r.stderr)
     assert ns_snapshot(lab.netns("dgx")) == before

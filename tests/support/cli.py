@@ -34,6 +34,13 @@ def need_tool(name: str) -> str:
     return path
 
 
+def error_lines(stderr: str) -> list[str]:
+    """stderr's lines without the profile line a command that reads a profile says first
+    (linkctl.core.profile.announce): what a bad-input test counts as its one line."""
+    lines = stderr.strip().splitlines()
+    return lines[1:] if lines and lines[0].startswith("linkctl: profile ") else lines
+
+
 def linkctl(
     *args: str, env: dict[str, str] | None = None, timeout: float = 120, input: str | None = None
 ) -> subprocess.CompletedProcess:
