@@ -58,8 +58,11 @@ def writable(d: Path) -> bool:
     """Whether this process (its effective ids) can create files in ``d``, or create
     ``d`` in its nearest existing parent."""
     p = d
-    while not p.exists() and p != p.parent:
-        p = p.parent
+    try:
+        while not p.exists() and p != p.parent:
+            p = p.parent
+    except OSError:  # a parent this user may not search: nothing below it is theirs
+        return False
     effective = os.access in os.supports_effective_ids
     return os.access(p, os.W_OK | os.X_OK, effective_ids=effective)
 

@@ -358,7 +358,14 @@ def parse_profile(data: dict[str, Any], source: str = "profile") -> Profile:
 def resolve_profile_path(name_or_path: str) -> Path:
     p = Path(name_or_path)
     if p.suffix == ".toml" or "/" in name_or_path:
-        if not p.is_file():
+        try:
+            found = p.is_file()
+        except OSError as e:  # a directory on the way this user may not search
+            raise InputError(
+                f"--profile {name_or_path!r}: cannot read it: {e.strerror}",
+                "give a profile this user can read",
+            ) from None
+        if not found:
             raise InputError(f"--profile {name_or_path!r}: no such file", "give a path to a .toml")
         return p.absolute()
     dirs = profile_dirs()
