@@ -6,14 +6,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import select
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -37,6 +35,7 @@ from linkctl.probe.nic import check_nic
 from linkctl.probe.report import ProbeReport, save, to_prometheus
 from linkctl.probe.responder import Responder
 from support.cli import need_tool
+from support.lab import responder
 from support.llama_util import stop
 from support.netfacts import nic_facts
 from support.paths import FIXTURES, TESTS
@@ -206,30 +205,6 @@ def test_responder_refuses_wildcard():
 
 
 # ---- lab: the real responder, iperf3, ping, ARP ------------------------------------
-
-
-def _read_line(proc: subprocess.Popen, timeout: float) -> str:
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    if not ready:
-        raise AssertionError(f"no output from {proc.args} within {timeout} s")
-    return proc.stdout.readline()
-
-
-@contextmanager
-def responder(lab, host: str):
-    """`linkctl responder --json` in the host's namespace (the argv lab exec uses)."""
-    from linkctl.lab import netns
-
-    argv, env = netns.exec_argv(netns.load_lab(lab.name), host, ["linkctl", "responder", "--json"])
-    proc = subprocess.Popen(
-        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        line = _read_line(proc, 30)
-        assert line, proc.stderr.read()
-        yield proc, json.loads(line)
-    finally:
-        stop(proc)
 
 
 def _setup(lab):
