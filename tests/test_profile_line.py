@@ -57,7 +57,7 @@ def test_every_profile_command_names_the_profile_file_first(make_lab, tmp_path):
         """`linkctl WORDS --profile PATH --json ARGS` on host; its JSON output."""
         r = lab.run(host, *words.split(), "--profile", path, "--json", *args, timeout=180)
         assert r.returncode in (0, 1), (words, r.stdout, r.stderr)
-        said[words] = r.stderr.splitlines()[0]
+        said[words] = (r.stderr.splitlines() or ["(nothing on stderr)"])[0]
         assert said[words] == line(said_host), (words, r.stderr)
         out = json.loads(r.stdout)
         assert out["profile_path"] == path, words
