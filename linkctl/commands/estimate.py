@@ -213,7 +213,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Measure this host's decode terms (fixed cost per block and effective bandwidth,
         solved from two models of different shape) and prefill compute with llama-server,
-        and store them so `linkctl estimate` uses them instead of the catalog.
+        and store them so `linkctl estimate` uses them instead of the catalog, in the
+        state directory's calibration.json (once root's /var/lib/linkctl exists, with sudo).
 
         Example: linkctl calibrate --model /models/llama-8b-q4_k_m.gguf --rpc
 
