@@ -44,14 +44,17 @@ app = typer.Typer(
     name="linkctl",
     help="Verified, measured direct links for llama.cpp RPC split inference.\n\n"
     "\b\n"
-    "  sudo linkctl up --profile dgx-mac on each host: link, probe gate, serve, at boot\n"
-    "  sudo linkctl down                 undo it all\n"
-    "  linkctl setup --profile dgx-mac   configure this host's end of the link\n"
-    "  linkctl probe                     verify and measure the link\n"
-    "  linkctl estimate --model m.gguf   predict decode/prefill tokens/s\n"
-    "  linkctl verify                    the split computes what one machine computes\n"
-    "  linkctl serve                     launch rpc-server / llama-server\n"
-    "  linkctl lab demo                  the whole path in namespaces, one command",
+    "  sudo linkctl up --profile dgx-mac      each host: link, probe gate, serve, at boot\n"
+    "  sudo linkctl down                      undo it all\n"
+    "  sudo linkctl setup --profile dgx-mac   configure this host's end of the link\n"
+    "  sudo linkctl probe                     verify and measure the link\n"
+    "  linkctl estimate --model m.gguf        predict decode/prefill tokens/s\n"
+    "  sudo linkctl verify                    the split computes what one machine computes\n"
+    "  sudo linkctl serve                     launch rpc-server / llama-server\n"
+    "  sudo linkctl lab demo                  the whole path in namespaces, one command\n\n"
+    "One state for root and users: /var/lib/linkctl once root made it (users read it; "
+    "commands that write it need sudo), else ~/.local/state/linkctl; $LINKCTL_STATE_DIR "
+    "overrides both.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,

@@ -57,6 +57,7 @@ class DoctorResult:
     # remaining checks are not run at all.
     bad_input: bool = False
     profile: str | None = None
+    profile_path: Path | None = None
     host: str | None = None
     role: str | None = None
     os_name: str | None = None
@@ -83,18 +84,25 @@ class DoctorResult:
             return 2
         return 1 if worst(ln.verdict for ln in self.lines) is Verdict.FAIL else 0
 
-    def as_json(self) -> list[dict[str, Any]]:
-        """Doctor's documented line shape: check, verdict, value, detail, fix."""
-        return [
-            {
-                "check": ln.name,
-                "verdict": ln.verdict.value,
-                "value": ln.value,
-                "detail": ln.detail,
-                "fix": ln.fix,
-            }
-            for ln in self.lines
-        ]
+    def as_json(self) -> dict[str, Any]:
+        """Who was checked (profile, its file, host) and the lines in doctor's documented
+        shape: check, verdict, value, detail, fix."""
+        return {
+            "profile": self.profile,
+            "profile_path": str(self.profile_path) if self.profile_path else None,
+            "host": self.host,
+            "exit_code": self.exit_code,
+            "checks": [
+                {
+                    "check": ln.name,
+                    "verdict": ln.verdict.value,
+                    "value": ln.value,
+                    "detail": ln.detail,
+                    "fix": ln.fix,
+                }
+                for ln in self.lines
+            ],
+        }
 
 
 # ---- 1-2: profile and host ---------------------------------------------------------------
@@ -109,7 +117,7 @@ def check_profile(res: DoctorResult, profile_arg: str | None) -> Profile | None:
         res.add("profile", Verdict.FAIL, profile_arg, e.message, e.fix)
         res.bad_input = True
         return None
-    res.profile = prof.name
+    res.profile, res.profile_path = prof.name, path
     res.add(
         "profile",
         Verdict.PASS,
@@ -220,6 +228,7 @@ def check_peers(
     timeout_s: float,
 ) -> dict[str, bool]:
     """ARP every other profile host (probe's check_peer); {peer name: answered}."""
+    from linkctl.core.privilege import sudo_line
     from linkctl.probe.peer import check_peer
     from linkctl.probe.report import ProbeReport
 
@@ -261,7 +270,9 @@ def check_peers(
         elif isinstance(c.value, list):
             fix = f"find the other device that holds {peer.ip} on the segment"
         elif scratch.stop_code == 2:  # ARP could not be sent (PermissionDenied, see check_peer)
-            fix = "run as root or grant CAP_NET_RAW"
+            # Doctor runs as a user; only this check needs root: say so, do not fail.
+            res.add(name, Verdict.WARN, None, "not checked: ARP needs a raw socket", sudo_line())
+            continue
         else:
             fix = f"power {peer.name} on, check the cable, run `linkctl setup` on {peer.name}"
         res.add(name, Verdict.FAIL, c.value, scratch.stopped or c.detail, fix)
@@ -332,7 +343,7 @@ def check_llama(
         name = f"rpc {peer.name}"
         where = peer.rpc_endpoint
         if not answered.get(peer.name):
-            res.add(name, Verdict.SKIP, None, f"peer {peer.name} did not answer ARP")
+            res.add(name, Verdict.SKIP, None, f"peer {peer.name} not reached by ARP (see its line)")
             continue
         if local is None:
             res.add(name, Verdict.SKIP, None, "the local RPC protocol version is unknown")
@@ -520,6 +531,7 @@ def run(
 ) -> DoctorResult:
     """Every check, in order. Never raises for what it finds: bad input is a FAIL line
     with ``bad_input`` set (exit 2), everything else a line."""
+    from linkctl.core.profile import announce
     from linkctl.net.backend import get_backend
 
     t0 = time.perf_counter()
@@ -536,6 +548,8 @@ def run(
     host = check_host(res, prof, backend, host_arg)
     if host is None:
         return res
+    assert res.profile_path is not None
+    announce(prof, res.profile_path, host.name)
     st = check_link(res, prof, host, backend)
     answered = check_peers(res, prof, host, st, peer_timeout_s)
     check_llama(res, prof, host, answered, peer_timeout_s, hello)

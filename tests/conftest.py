@@ -8,7 +8,10 @@ Tests that need root and namespaces fail (not skip) when CI=true.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +25,16 @@ def _state_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("state")
     os.environ["LINKCTL_STATE_DIR"] = str(d)
     yield d
+
+
+@pytest.fixture
+def system_state():
+    """A state directory made as /var/lib/linkctl is (root's, 0755), never the real one:
+    outside pytest's 0700 temporary tree, so that user nobody can read it."""
+    d = Path(tempfile.mkdtemp(prefix="linkctl-state-"))
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

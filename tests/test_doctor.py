@@ -31,7 +31,10 @@ def run_doctor(lab, host: str, *extra: str) -> tuple[subprocess.CompletedProcess
     r = lab.run(host, "doctor", "--json", "--peer-timeout", "1", *extra, timeout=60)
     assert r.returncode in (0, 1), r.stderr
     assert "Traceback" not in r.stderr
-    lines = json.loads(r.stdout)
+    out = json.loads(r.stdout)
+    given = extra[extra.index("--profile") + 1] if "--profile" in extra else lab.profile_path
+    assert out["profile_path"] == given and out["exit_code"] == r.returncode
+    lines = out["checks"]
     return r, {ln["check"]: ln for ln in lines}, lines
 
 
@@ -174,12 +177,16 @@ def test_bad_profile_is_one_line_and_exit_2(tmp_path):
     assert r.stdout.startswith("FAIL") and "link.mtu" in r.stdout and "99999" in r.stdout
     j = linkctl("doctor", "--profile", str(bad), "--json")
     assert j.returncode == 2
-    [line] = json.loads(j.stdout)
+    out = json.loads(j.stdout)
+    assert (out["profile_path"], out["exit_code"]) == (None, 2)
+    [line] = out["checks"]
     assert (line["check"], line["verdict"], set(line)) == ("profile", "FAIL", KEYS)
     # A host that is not in the profile is bad input too; nothing after it runs.
     h = linkctl("doctor", "--profile", "dgx-mac", "--host", "nope", "--json")
     assert h.returncode == 2
-    assert [(x["check"], x["verdict"]) for x in json.loads(h.stdout)] == [
+    out = json.loads(h.stdout)
+    assert out["profile_path"] == str(PROFILES / "dgx-mac.toml")
+    assert [(x["check"], x["verdict"]) for x in out["checks"]] == [
         ("profile", "PASS"),
         ("host", "FAIL"),
     ]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from linkctl.calibrate.plan import CalibrationPlan
+from linkctl.core.paths import make_dirs
 from linkctl.core.runner import Children, Runner, default_runner
 from linkctl.llama.client import LlamaServer, Timing
 
@@ -38,7 +39,7 @@ def measure(
 
     runner = runner or default_runner()
     say = say or (lambda _line: None)
-    Path(plan.workdir).mkdir(parents=True, exist_ok=True)
+    make_dirs(Path(plan.workdir))
     for m in plan.models:
         if m.spec and not Path(m.path).is_file():
             say(f"writing {m.path}")

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any, NamedTuple
 
 import typer
 
 from linkctl.core.paths import DEFAULT_PROFILE
+
+if TYPE_CHECKING:
+    from linkctl.core.profile import HostSpec, Profile
+    from linkctl.net.backend import Backend
 
 ProfileOpt = Annotated[
     str | None,
     typer.Option(
         "--profile",
         "-p",
-        help="Profile name (searched in ~/.config/linkctl/profiles, /etc/linkctl/profiles, "
-        "then the shipped ones) or a path to a .toml "
+        help="Profile name (searched in ~/.config/linkctl/profiles, under sudo the invoking "
+        "user's first, then /etc/linkctl/profiles and the shipped ones) or a path to a .toml "
         f"(default: $LINKCTL_PROFILE, else {DEFAULT_PROFILE}).",
         show_default=False,
     ),
@@ -39,17 +43,45 @@ CalibrationOpt = Annotated[
 ]
 
 
-def load(profile: str | None):
-    from linkctl.core.profile import load_chosen
+def load(profile: str | None) -> tuple[Profile, Path]:
+    """The chosen profile and its file, said first on stderr
+    (linkctl.core.profile.announce)."""
+    from linkctl.core.profile import announce, load_chosen
 
-    return load_chosen(profile)
+    prof, path = load_chosen(profile)
+    announce(prof, path)
+    return prof, path
 
 
-def load_with_host(profile: str | None, host: str | None, backend=None):
-    """(profile, host spec, backend) for commands that act on this machine."""
+class Loaded(NamedTuple):
+    """What a command acting as one host of the profile starts from."""
+
+    profile: Profile
+    host: HostSpec
+    backend: Backend
+    path: Path
+
+
+def load_with_host(profile: str | None, host: str | None, backend=None) -> Loaded:
+    """The profile, this host of it and the backend, said first on stderr (profile,
+    file and host)."""
+    from linkctl.core.profile import announce, load_chosen
     from linkctl.net.backend import get_backend
     from linkctl.net.link import identify_host
 
-    prof, _path = load(profile)
+    prof, path = load_chosen(profile)
     backend = backend or get_backend()
-    return prof, identify_host(prof, backend, host), backend
+    h = identify_host(prof, backend, host)
+    announce(prof, path, h.name)
+    return Loaded(prof, h, backend, path)
+
+
+def emit_json(data: dict[str, Any] | list[dict[str, Any]], profile_path: Path) -> None:
+    """A command's --json result, naming the profile file it used (``profile_path``,
+    in each record when the result is a list of them)."""
+    from linkctl.core.output import print_json
+
+    def named(d: dict[str, Any]) -> dict[str, Any]:
+        return {"profile_path": str(profile_path), **d}
+
+    print_json([named(d) for d in data] if isinstance(data, list) else named(data))

@@ -6,8 +6,17 @@ from typing import Annotated
 
 import typer
 
-from linkctl.commands.common import DryRunOpt, HostOpt, JsonOpt, ProfileOpt, load_with_host
-from linkctl.core.output import console, print_json
+from linkctl.commands.common import (
+    DryRunOpt,
+    HostOpt,
+    JsonOpt,
+    ProfileOpt,
+    emit_json,
+    load_with_host,
+)
+from linkctl.core.output import console
+from linkctl.core.paths import private_dir
+from linkctl.core.privilege import require_writable_state
 
 
 def wait_for_signal() -> None:
@@ -67,7 +76,9 @@ def register(app: typer.Typer) -> None:
         from linkctl.disagg.fingerprint import fingerprint
         from linkctl.disagg.pair import check_pair
 
-        prof, h, _backend = load_with_host(profile, host)
+        if not dry_run:
+            require_writable_state("its status and slot files (serve/)")
+        prof, h, _backend, path = load_with_host(profile, host)
         if h.role != "head":
             from linkctl.core.errors import InputError
 
@@ -88,7 +99,7 @@ def register(app: typer.Typer) -> None:
         }
         if dry_run:
             if json_:
-                print_json(summary)
+                emit_json(summary, path)
             else:
                 for k, v in summary.items():
                     console.print(f"{k:17s} {v}", markup=False)
@@ -97,7 +108,7 @@ def register(app: typer.Typer) -> None:
         local_fp = fingerprint(model or prof.serve.model, disagg.kv_layout(prof))
         remote_fp = kvxfer.remote_model(cfg.agent_host or "", cfg.agent_port, source=cfg.source)
         check_pair(cfg, (local_fp, remote_fp), wait_s=wait, say=say)
-        cfg.decode_slot_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(cfg.decode_slot_dir)
         server = rt.RouteServer(rt.Router(cfg)).start()
         say(
             f"listening on {summary['listen']}; disaggregating prompts of "
@@ -130,7 +141,9 @@ def register(app: typer.Typer) -> None:
         from linkctl.disagg import plan as disagg
         from linkctl.disagg.run import start_agent
 
-        prof, h, backend = load_with_host(profile, host)
+        if not dry_run:
+            require_writable_state("slot files and models (serve/slots, models/)")
+        prof, h, backend, path = load_with_host(profile, host)
         kv = disagg.kv_layout(prof)  # what serve gives this host's llama-server
         plan = {
             "bind": f"{h.ip}:{prof.serve.disagg.agent_port}",
@@ -141,7 +154,7 @@ def register(app: typer.Typer) -> None:
         }
         if dry_run:
             if json_:
-                print_json(plan)
+                emit_json(plan, path)
             else:
                 for k, v in plan.items():
                     console.print(f"{k:14s} {v}")

@@ -62,7 +62,8 @@ def register(app: typer.Typer) -> None:
         head), boot services installed, a recent passing probe report.
 
         Sends only ARP who-has out of the link interface to the peers' link
-        addresses, and (head) one RPC HELLO to each rpc host's endpoint.
+        addresses, and (head) one RPC HELLO to each rpc host's endpoint. Runs as a
+        user: the ARP check alone needs root, and without it says so (WARN).
         Exit 0 no FAIL, 1 a FAIL, 2 bad input (profile invalid, host unknown).
 
         Examples:

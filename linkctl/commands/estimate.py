@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from linkctl.commands.common import CalibrationOpt, HostOpt, JsonOpt, ProfileOpt, load
+from linkctl.commands.common import CalibrationOpt, HostOpt, JsonOpt, ProfileOpt, emit_json, load
 
 ModelOpt = Annotated[
     Path,
@@ -117,7 +117,7 @@ def register(app: typer.Typer) -> None:
         """
         from linkctl.estimate.run import parse_split, run_estimate
 
-        prof, _ = load(profile)
+        prof, path = load(profile)
         est = run_estimate(
             prof,
             model,
@@ -149,9 +149,7 @@ def register(app: typer.Typer) -> None:
         from linkctl.estimate import report
 
         if json_out:
-            from linkctl.core.output import print_json
-
-            print_json(report.as_json(est, de))
+            emit_json(report.as_json(est, de), path)
         else:
             report.render(est)
             if de:
@@ -212,16 +210,19 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Measure this host's decode terms (fixed cost per block and effective bandwidth,
         solved from two models of different shape) and prefill compute with llama-server,
-        and store them so `linkctl estimate` uses them instead of the catalog.
+        and store them so `linkctl estimate` uses them instead of the catalog, in the
+        state directory's calibration.json (once root's /var/lib/linkctl exists, with sudo).
 
         Example: linkctl calibrate --model /models/llama-8b-q4_k_m.gguf --rpc
 
         Add --dry-run first to see what it will run and where the result goes.
         """
         from linkctl.calibrate.plan import plan, render_plan
-        from linkctl.core.output import print_json
+        from linkctl.core.privilege import require_writable_state
 
-        prof, _ = load(profile)
+        if not dry_run:
+            require_writable_state("the calibration (calibration.json, calibrate/)")
+        prof, path = load(profile)
         p = plan(
             prof,
             model or [],
@@ -234,7 +235,7 @@ def register(app: typer.Typer) -> None:
         )
         if dry_run:
             if json_out:
-                print_json(p.as_json())
+                emit_json(p.as_json(), path)
             else:
                 render_plan(p)
             return
@@ -246,6 +247,6 @@ def register(app: typer.Typer) -> None:
         rec = record(p, measure(p, say=speaker("calibrate")))
         out = as_json(rec, save_calibration(p.host, rec))
         if json_out:
-            print_json(out)
+            emit_json(out, path)
         else:
             render_calibration(out)

@@ -7,9 +7,10 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from linkctl.commands.common import DryRunOpt, JsonOpt, ProfileOpt, load
+from linkctl.commands.common import DryRunOpt, JsonOpt, ProfileOpt, emit_json, load
 from linkctl.core.checks import Verdict
 from linkctl.core.output import console, print_json
+from linkctl.core.privilege import require_root
 
 if TYPE_CHECKING:
     from linkctl.lab.boot import BootPlan
@@ -20,6 +21,7 @@ lab_app = typer.Typer(
     no_args_is_help=True,
 )
 NameOpt = Annotated[str, typer.Option("--name", help="Lab name (namespaces are lk-NAME-HOST).")]
+NETNS = "the lab makes, enters and removes network namespaces"
 
 
 @lab_app.callback()
@@ -50,10 +52,12 @@ def lab_up(
     """
     from linkctl.lab import netns as lab
 
-    prof, _ = load(profile)
+    if not dry_run:
+        require_root(NETNS)
+    prof, path = load(profile)
     lb = lab.plan(prof, name) if dry_run else lab.up(prof, name)
     if json_:
-        print_json({**lb.as_dict(), "namespaces": lab.namespaces(lb), "dry_run": dry_run})
+        emit_json({**lb.as_dict(), "namespaces": lab.namespaces(lb), "dry_run": dry_run}, path)
         return
     if dry_run:
         console.print(
@@ -78,6 +82,8 @@ def lab_down(name: NameOpt = "lab", dry_run: DryRunOpt = False, json_: JsonOpt =
     """Stop every process in the lab's namespaces and remove them (idempotent)."""
     from linkctl.lab import netns as lab
 
+    if not dry_run:
+        require_root(NETNS)
     plan = lab.down_plan(name)
     removed = plan.items if dry_run else lab.down(name)
     if json_:
@@ -130,6 +136,7 @@ def lab_exec(
     from linkctl.core.runner import foreground
     from linkctl.lab import netns as lab
 
+    require_root(NETNS)
     argv, env = lab.exec_argv(lab.load_lab(name), host, list(ctx.args))
     raise typer.Exit(foreground(argv, env=env))
 
@@ -176,7 +183,9 @@ def lab_demo(
     """
     from linkctl.lab.demo import Demo, DemoOptions
 
-    prof, _ = load(profile)
+    if not dry_run:
+        require_root(NETNS)
+    prof, path = load(profile)
     opts = DemoOptions(
         name=name, delay_ms=delay_ms, rate=rate, tokens=tokens, runs=runs, threads=threads
     )
@@ -206,7 +215,7 @@ def lab_demo(
         print("interrupted: lab stopped and removed", file=sys.stderr)
         raise typer.Exit(130) from None
     if json_:
-        print_json(report.as_json())
+        emit_json(report.as_json(), path)
     else:
         render_demo(report)
 
@@ -321,7 +330,9 @@ def lab_boot(
     from linkctl.core.errors import InputError
     from linkctl.lab import boot, rootfs
 
-    prof, _ = load(profile)
+    if not dry_run:
+        require_root(f"{NETNS} and boots containers")
+    prof, path = load(profile)
 
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -343,7 +354,7 @@ def lab_boot(
                 for h, c in bl.containers.items()
             }
             if json_:
-                print_json({"lab": name, "profile": prof.name, "hosts": hosts})
+                emit_json({"lab": name, "profile": prof.name, "hosts": hosts}, path)
             else:
                 for h, info in hosts.items():
                     console.print(

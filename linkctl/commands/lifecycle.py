@@ -11,18 +11,14 @@ from linkctl.core.output import console, print_json
 
 
 def _host(profile: str | None, host: str | None, why: str):
-    """(profile, its path, this host, backend), after the one-line refusal of a user
-    who is not root: before anything else, the profile's own path included."""
-    from linkctl.commands.common import load
+    """The profile, this host of it, the backend and the profile's path (said first on
+    stderr), after the one-line refusal of a user who is not root: before anything
+    else, the profile's own file included."""
+    from linkctl.commands.common import load_with_host
     from linkctl.core.privilege import require_root
 
     require_root(why)
-    from linkctl.net.backend import get_backend
-    from linkctl.net.link import identify_host
-
-    prof, path = load(profile)
-    backend = get_backend()
-    return prof, path, identify_host(prof, backend, host), backend
+    return load_with_host(profile, host)
 
 
 def _show(res, json_: bool) -> None:
@@ -101,7 +97,7 @@ def register(app: typer.Typer) -> None:
         from linkctl.lifecycle.up import UpOptions
         from linkctl.lifecycle.up import up as run_up
 
-        prof, path, h, backend = _host(
+        prof, h, backend, path = _host(
             profile, host, "up configures the link and installs the services"
         )
         opts = UpOptions(
@@ -131,7 +127,7 @@ def register(app: typer.Typer) -> None:
         from linkctl.core.log import speaker
         from linkctl.lifecycle.down import down as run_down
 
-        prof, path, h, backend = _host(
+        prof, h, backend, path = _host(
             profile, host, "down removes the services and the link configuration"
         )
         _show(run_down(prof, path, h, backend, say=speaker("down"), dry_run=dry_run), json_)

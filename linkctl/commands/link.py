@@ -7,9 +7,17 @@ from typing import Annotated
 
 import typer
 
-from linkctl.commands.common import DryRunOpt, HostOpt, JsonOpt, ProfileOpt, load, load_with_host
+from linkctl.commands.common import (
+    DryRunOpt,
+    HostOpt,
+    JsonOpt,
+    ProfileOpt,
+    emit_json,
+    load_with_host,
+)
 from linkctl.core.checks import Verdict
 from linkctl.core.output import console, print_json, verdict
+from linkctl.core.privilege import require_root
 
 profile_app = typer.Typer(help="Validate and show profiles.", no_args_is_help=True)
 
@@ -25,7 +33,9 @@ def profile_check(
       linkctl profile check dgx-mac
       linkctl profile check ./my-link.toml
     """
-    prof, path = load(file)
+    from linkctl.core.profile import load_profile
+
+    prof, path = load_profile(file)
     data = prof.to_toml_dict()
     if json_:
         print_json({"path": str(path), "profile": data})
@@ -42,9 +52,9 @@ def profile_check(
 @profile_app.command("list")
 def profile_list(json_: JsonOpt = False) -> None:
     """List the profiles linkctl can find by name."""
-    from linkctl.core.paths import profile_dirs
+    from linkctl.core.paths import profile_dirs, profile_files
 
-    found = [str(f) for d in profile_dirs() if d.is_dir() for f in sorted(d.glob("*.toml"))]
+    found = [str(f) for f in profile_files(profile_dirs())]
     if json_:
         print_json(found)
     else:
@@ -52,9 +62,9 @@ def profile_list(json_: JsonOpt = False) -> None:
             console.print(f"{Path(f).stem:24} {f}", markup=False)
 
 
-def _render_result(res, json_: bool) -> None:
+def _render_result(res, json_: bool, profile_path: Path) -> None:
     if json_:
-        print_json(res.as_dict())
+        emit_json(res.as_dict(), profile_path)
         return
     for note in res.plan.notes:
         console.print(f"[cyan]note:[/] {note}")
@@ -123,11 +133,13 @@ def register(app: typer.Typer) -> None:
         """
         from linkctl.net import link
 
-        prof, h, backend = load_with_host(profile, host)
+        if not dry_run:
+            require_root("setup changes the link's address, MTU and state")
+        prof, h, backend, path = load_with_host(profile, host)
         waited = None
         if wait_carrier and not dry_run:
             waited = link.wait_for_link_carrier(backend, h.interface, wait_carrier, log=_say)
-        _render_result(link.setup(prof, h, backend, dry_run=dry_run), json_)
+        _render_result(link.setup(prof, h, backend, dry_run=dry_run), json_, path)
         if wait_carrier and not dry_run and waited is None:
             _carrier_after_setup(link, backend, h.interface, wait_carrier)
 
@@ -144,8 +156,10 @@ def register(app: typer.Typer) -> None:
         """
         from linkctl.net import link
 
-        prof, h, backend = load_with_host(profile, host)
-        _render_result(link.teardown(prof, h, backend, dry_run=dry_run), json_)
+        if not dry_run:
+            require_root("teardown changes the link's address, MTU and state")
+        prof, h, backend, path = load_with_host(profile, host)
+        _render_result(link.teardown(prof, h, backend, dry_run=dry_run), json_, path)
 
     @app.command()
     def status(profile: ProfileOpt = None, host: HostOpt = None, json_: JsonOpt = False) -> None:
@@ -155,10 +169,10 @@ def register(app: typer.Typer) -> None:
         """
         from linkctl.net import link
 
-        prof, h, backend = load_with_host(profile, host)
+        prof, h, backend, path = load_with_host(profile, host)
         st = link.status(prof, h, backend)
         if json_:
-            print_json(st.as_dict())
+            emit_json(st.as_dict(), path)
         else:
             f = st.facts
             speed = f"{f.speed_mbps} Mb/s {f.duplex or ''}".strip() if f.speed_mbps else "unknown"

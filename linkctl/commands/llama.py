@@ -54,13 +54,17 @@ def llama_find(
     from linkctl.llama.bins import candidates
 
     directory = str(bin_dir) if bin_dir else None
+    path = None
     if host and not directory:
-        prof, _ = load(profile)
+        prof, path = load(profile)
         directory = prof.host(host).llama_bin_dir
     found = candidates(directory, protocol=not no_protocol)
     protocols = {c.rpc_protocol for c in found if c.rpc_protocol}
     if json_:
-        print_json([c.as_dict() for c in found])
+        # profile_path: the profile --host was read from (null when none was needed).
+        print_json(
+            {"profile_path": str(path) if path else None, "builds": [c.as_dict() for c in found]}
+        )
     else:
         for c in found:
             mark = "*" if c.selected else " "

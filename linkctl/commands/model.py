@@ -7,7 +7,14 @@ from typing import Annotated
 
 import typer
 
-from linkctl.commands.common import DryRunOpt, HostOpt, JsonOpt, ProfileOpt, load_with_host
+from linkctl.commands.common import (
+    DryRunOpt,
+    HostOpt,
+    JsonOpt,
+    ProfileOpt,
+    emit_json,
+    load_with_host,
+)
 from linkctl.core.output import console, print_json
 
 model_app = typer.Typer(
@@ -76,7 +83,7 @@ def model_sync(
     from linkctl.disagg import kvxfer
     from linkctl.disagg import plan as disagg
 
-    prof, h, _backend = load_with_host(profile, host)
+    prof, h, _backend, path = load_with_host(profile, host)
     if h.role != "head":
         raise InputError(
             f"model sync runs on the head ({prof.head.name}), this is {h.name}",
@@ -101,7 +108,7 @@ def model_sync(
         "path_there": disagg.prefill_model_path(prof),
     }
     if dry_run:
-        print_json(plan) if json_ else [console.print(f"{k:13s} {v}") for k, v in plan.items()]
+        emit_json(plan, path) if json_ else [console.print(f"{k:13s} {v}") for k, v in plan.items()]
         return
     say = speaker("model-sync")
     last = [-1]
@@ -117,7 +124,7 @@ def model_sync(
     sys.stderr.write("\n")
     out = plan | res.as_dict()
     if json_:
-        print_json(out)
+        emit_json(out, path)
     else:
         resumed = f", resumed from {res.resumed_from} bytes" if res.resumed_from else ""
         say(

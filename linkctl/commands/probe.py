@@ -6,7 +6,14 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from linkctl.commands.common import DryRunOpt, HostOpt, JsonOpt, ProfileOpt, load_with_host
+from linkctl.commands.common import (
+    DryRunOpt,
+    HostOpt,
+    JsonOpt,
+    ProfileOpt,
+    emit_json,
+    load_with_host,
+)
 from linkctl.core.output import console, print_json, verdict
 
 
@@ -98,17 +105,21 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Verify and measure the link: NIC, peer ARP/MAC, path MTU, RTT, throughput, RPC.
 
-        Needs `linkctl responder` running on the peer. Exit 0 all pass, 1 a check
-        failed, 2 could not run. The report is saved to the state directory; --json
-        prints a list of reports, one per peer probed (a list of one for one peer).
+        Needs root (ARP through a raw socket) and `linkctl responder` running on the
+        peer. Exit 0 all pass, 1 a check failed, 2 could not run. The report is saved
+        to the state directory, /var/lib/linkctl/probe ($LINKCTL_STATE_DIR overrides),
+        where estimate, doctor and serve read it whoever runs them; --json prints a list
+        of reports, one per peer probed (a list of one for one peer).
 
         Examples:
-          linkctl probe --profile dgx-mac
-          linkctl probe --peer dgx --json --prom /var/lib/node_exporter/textfile/linkctl.prom
+          sudo linkctl probe --profile dgx-mac
+          sudo linkctl probe --peer dgx --json --prom /var/lib/node_exporter/textfile/linkctl.prom
         """
+        from linkctl.core.privilege import require_root
         from linkctl.probe import choose_peers, report, run_probe
 
-        prof, me, backend = load_with_host(profile, host)
+        require_root("probe sends ARP through a raw socket")
+        prof, me, backend, path = load_with_host(profile, host)
         peers = choose_peers(prof, me, peer)
         if max_age is not None:
             peers = _stale(prof, peers, max_age, json_)
@@ -138,7 +149,7 @@ def register(app: typer.Typer) -> None:
         if json_:
             # One shape whatever the number of peers: a list, one report per peer probed
             # (empty when --max-age found every peer's report fresh).
-            print_json([r.to_json() for r in reports])
+            emit_json([r.to_json() for r in reports], path)
         code = max((r.exit_code for r in reports), default=0)
         if code:
             raise typer.Exit(code)
@@ -167,7 +178,7 @@ def register(app: typer.Typer) -> None:
         from linkctl.core.records import calibration_of
         from linkctl.probe.responder import Responder
 
-        prof, me, backend = load_with_host(profile, host)
+        prof, me, backend, path = load_with_host(profile, host)
         spec = prof.probe
         r = Responder(
             me.ip,
@@ -191,7 +202,7 @@ def register(app: typer.Typer) -> None:
 
         def ready(info: dict) -> None:
             if json_:
-                sys.stdout.write(json.dumps(info) + "\n")
+                sys.stdout.write(json.dumps({"profile_path": str(path), **info}) + "\n")
             else:
                 console.print(
                     f"responder {me.name}: echo on {me.ip}:{spec.responder_port}, "

@@ -13,11 +13,14 @@ from linkctl.commands.common import (
     HostOpt,
     JsonOpt,
     ProfileOpt,
+    emit_json,
     load_with_host,
 )
-from linkctl.core.output import console, print_json, warn_line
+from linkctl.core.output import console, warn_line
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from linkctl.core.profile import HostSpec, Profile
     from linkctl.llama.bins import LlamaBins
     from linkctl.net.backend import Backend
@@ -100,6 +103,8 @@ def register(app: typer.Typer) -> None:
         answers. Both restart their server with backoff and forward SIGTERM/SIGINT.
         With --verify (or serve.verify = true) the head first proves with
         `linkctl verify` that the split computes what one machine computes.
+        It writes its status to the state directory: once root's /var/lib/linkctl
+        exists, run it with sudo (--dry-run reads only, as any user).
 
         Examples:
           linkctl serve --dry-run
@@ -109,12 +114,15 @@ def register(app: typer.Typer) -> None:
           linkctl serve --profile dgx-mac --host dgx
           linkctl serve --host mac --model /models/m.gguf
         """
+        from linkctl.core.privilege import require_writable_state
         from linkctl.llama.bins import find_bins
         from linkctl.serve import auth, run
         from linkctl.serve import plan as sv
         from linkctl.serve.split import choose_split
 
-        prof, h, backend = load_with_host(profile, host)
+        if not dry_run:
+            require_writable_state("its status (serve/)")
+        prof, h, backend, path = load_with_host(profile, host)
         bins = find_bins(h.llama_bin_dir)
 
         def head_split() -> SplitChoice:
@@ -129,7 +137,7 @@ def register(app: typer.Typer) -> None:
                     '"disaggregated" runs none (each host holds the whole model)',
                     'drop --verify / serve.verify, or use serve.mode = "split"',
                 )
-            _serve_disaggregated(prof, h, backend, bins, model, skip_probe, dry_run, json_)
+            _serve_disaggregated(prof, h, backend, bins, model, skip_probe, dry_run, json_, path)
             return
         if dry_run:
             choice = head_split() if h.role == "head" else None
@@ -137,7 +145,7 @@ def register(app: typer.Typer) -> None:
             if h.role == "head" and (verify or prof.serve.verify):
                 plan.notes.append("verify: `linkctl verify` runs on the model before llama-server")
             if json_:
-                print_json(plan.as_dict())
+                emit_json(plan.as_dict(), path)
                 return
             for note in plan.notes:
                 console.print(f"[cyan]note:[/] {note}")
@@ -157,7 +165,7 @@ def register(app: typer.Typer) -> None:
         if h.role == "rpc":
             plan = sv.build_plan(prof, h, bins, model)
             if json_:
-                print_json(plan.as_dict())
+                emit_json(plan.as_dict(), path)
             bins.need("rpc-server")
             raise typer.Exit(run.run_rpc(plan, h, backend))
         auth.serve_auth(prof)  # an open API is refused before anything starts
@@ -167,7 +175,7 @@ def register(app: typer.Typer) -> None:
         choice = head_split()
         plan = sv.build_plan(prof, h, bins, model, choice)
         if json_:
-            print_json(plan.as_dict())
+            emit_json(plan.as_dict(), path)
         if verify or prof.serve.verify:
             verify_gate(prof, bins, plan.model, wait, choice)
         raise typer.Exit(run.run_head(plan, prof, bins, wait_s=wait, split=choice))
@@ -202,6 +210,7 @@ def _serve_disaggregated(
     skip_probe: bool,
     dry_run: bool,
     json_: bool,
+    profile_path: Path,
 ) -> None:
     """serve.mode = "disaggregated": the prefill host runs the prefill llama-server and
     the kv-agent on its link address; the head runs the decode llama-server and route."""
@@ -220,7 +229,7 @@ def _serve_disaggregated(
     plan = disagg.build_plan(prof, h, binary, model)
     if dry_run:
         if json_:
-            print_json(plan.as_dict())
+            emit_json(plan.as_dict(), profile_path)
             return
         for note in plan.notes:
             console.print(f"[cyan]note:[/] {note}")
@@ -231,7 +240,7 @@ def _serve_disaggregated(
         console.print(f"route   {head}: {plan.route_listen}", markup=False)
         return
     if json_:
-        print_json(plan.as_dict())
+        emit_json(plan.as_dict(), profile_path)
     bins.need("llama-server")
     if h.role != "head":
         if h.name != prof.prefill_host.name:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from linkctl.commands.common import DryRunOpt, HostOpt, JsonOpt, ProfileOpt, load
+from linkctl.commands.common import DryRunOpt, HostOpt, JsonOpt, ProfileOpt, emit_json
 from linkctl.core.checks import Verdict
 from linkctl.core.output import console, error_line, print_json, verdict
 
@@ -41,10 +41,22 @@ def _run(what: str, do: Callable[[], ServiceResult]) -> ServiceResult:
         raise
 
 
-def _show(res: ServiceResult, json_: bool) -> None:
+def _need_root(root: Path, dry_run: bool) -> None:
+    """Installing on / writes system unit or daemon files and starts them; elsewhere
+    (an image) or as a dry run it does not."""
+    if root.resolve() == Path("/") and not dry_run:
+        from linkctl.core.privilege import require_root
+
+        require_root("it writes and starts boot services in /")
+
+
+def _show(res: ServiceResult, json_: bool, profile_path: Path | None = None) -> None:
     from linkctl.service import Action
 
-    if json_:
+    if json_ and profile_path:
+        emit_json(res.as_dict(), profile_path)
+        return
+    if json_:  # uninstall: it reads no profile
         print_json(res.as_dict())
         return
     for note in res.notes:
@@ -126,14 +138,17 @@ def service_install(
 
     from linkctl import service as svc
     from linkctl.core.errors import InputError
+    from linkctl.core.profile import announce, load_chosen
     from linkctl.net.backend import get_backend
     from linkctl.net.link import identify_host
 
-    prof, path = load(profile)
+    _need_root(root, dry_run)
+    prof, path = load_chosen(profile)
     try:
         h = identify_host(prof, get_backend(), host)
     except InputError as e:
         raise InputError(e.message, "pass --host NAME (the host the services are for)") from None
+    announce(prof, path, h.name)
     root = root.resolve()
     bin_dir = llama_bin_dir or svc.default_llama_bin_dir(h)
     if not bin_dir:
@@ -161,7 +176,7 @@ def service_install(
         "service install",
         lambda: svc.install(prof, h, paths, root=root, dry_run=dry_run, package_dir=pkg),
     )
-    _show(res, json_)
+    _show(res, json_, path)
 
 
 @service_app.command("uninstall")
@@ -174,6 +189,7 @@ def service_uninstall(
     """
     from linkctl import service as svc
 
+    _need_root(root, dry_run)
     res = _run("service uninstall", lambda: svc.uninstall(root=root.resolve(), dry_run=dry_run))
     _show(res, json_)
 

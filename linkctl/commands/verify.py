@@ -12,11 +12,14 @@ from linkctl.commands.common import (
     HostOpt,
     JsonOpt,
     ProfileOpt,
+    emit_json,
     load_with_host,
 )
-from linkctl.core.output import console, print_json, verdict_lines
+from linkctl.core.output import console, verdict_lines
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from linkctl.core.profile import Profile
     from linkctl.llama.bins import LlamaBins
     from linkctl.serve.verify import VerifyOptions, VerifyReport
@@ -55,6 +58,7 @@ def run_verify(
     prof: Profile,
     opts: VerifyOptions,
     bins: LlamaBins,
+    profile_path: Path,
     *,
     json_: bool = False,
     dry_run: bool = False,
@@ -65,7 +69,7 @@ def run_verify(
 
     rep = verify(prof, opts, bins, say=speaker("verify"), dry_run=dry_run)
     if json_:
-        print_json(rep.as_dict())
+        emit_json(rep.as_dict(), profile_path)
     else:
         render(rep)
     return rep.exit_code
@@ -129,10 +133,13 @@ def register(app: typer.Typer) -> None:
           linkctl verify --reference split --dry-run
           linkctl verify --split llama
         """
+        from linkctl.core.privilege import require_writable_state
         from linkctl.llama.bins import find_bins
         from linkctl.serve.verify import VerifyOptions
 
-        prof, h, _backend = load_with_host(profile, host)
+        if not dry_run:
+            require_writable_state("its test model and logs (verify/)")
+        prof, h, _backend, path = load_with_host(profile, host)
         if h.role != "head":
             from linkctl.core.errors import InputError
 
@@ -149,6 +156,6 @@ def register(app: typer.Typer) -> None:
             split_spec=split,
             calibration=calibration,
         )
-        code = run_verify(prof, opts, bins, json_=json_, dry_run=dry_run)
+        code = run_verify(prof, opts, bins, path, json_=json_, dry_run=dry_run)
         if code:
             raise typer.Exit(code)

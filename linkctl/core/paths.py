@@ -14,6 +14,8 @@ from pathlib import Path
 
 # Profiles installed by `linkctl service install` live here; also searched by name.
 SYSTEM_PROFILE_DIR = Path("/etc/linkctl/profiles")
+# The one state every linkctl reads once it exists (state_dir): root's commands make it.
+SYSTEM_STATE_DIR = Path("/var/lib/linkctl")
 # The profile a command uses when given none and $LINKCTL_PROFILE is unset.
 DEFAULT_PROFILE = "dgx-mac"
 
@@ -31,7 +33,14 @@ def shipped(*parts: str) -> Path:
 
 
 def state_dir() -> Path:
-    """/var/lib/linkctl as root, else ~/.local/state/linkctl; LINKCTL_STATE_DIR overrides.
+    """Where linkctl keeps its records, the same whoever runs the command.
+
+    $LINKCTL_STATE_DIR when set; else the system's /var/lib/linkctl when running as
+    root or when it exists, so that `linkctl estimate` as a user reads the report
+    `sudo linkctl probe` wrote; else the user's ~/.local/state/linkctl
+    ($XDG_STATE_HOME), on a machine where no linkctl ever ran as root. Users read the
+    system state (directories 0755, records 0644: make_dirs, write_atomic); a command
+    that writes it checks first (linkctl.core.privilege.require_writable_state).
 
     The lab sets LINKCTL_STATE_DIR per namespace host so that hosts sharing one
     filesystem keep separate records.
@@ -39,10 +48,51 @@ def state_dir() -> Path:
     env = os.environ.get("LINKCTL_STATE_DIR")
     if env:
         return Path(env)
-    if os.geteuid() == 0:
-        return Path("/var/lib/linkctl")
+    if os.geteuid() == 0 or SYSTEM_STATE_DIR.is_dir():
+        return SYSTEM_STATE_DIR
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(base) / "linkctl"
+
+
+def writable(d: Path) -> bool:
+    """Whether this process (its effective ids) can create files in ``d``, or create
+    ``d`` in its nearest existing parent."""
+    p = d
+    try:
+        while not p.exists() and p != p.parent:
+            p = p.parent
+    except OSError:  # a parent this user may not search: nothing below it is theirs
+        return False
+    effective = os.access in os.supports_effective_ids
+    return os.access(p, os.W_OK | os.X_OK, effective_ids=effective)
+
+
+def make_dirs(d: Path) -> Path:
+    """``d`` and its missing parents, created 0755 whatever the umask (root's may be
+    077, and users must still read the state). Directories that exist keep their
+    mode: ``d`` may be any directory a file is written to (/tmp)."""
+    missing = []
+    p = d
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    for p in reversed(missing):
+        try:
+            p.mkdir(0o755)
+        except FileExistsError:  # another writer made it meanwhile
+            continue
+        os.chmod(p, 0o755)
+    return d
+
+
+def private_dir(d: Path) -> Path:
+    """``d`` as make_dirs makes it, but 0700 even when it exists: KV-cache slot files
+    hold users' prompts, and the files in it are written by llama-server with its own
+    umask."""
+    make_dirs(d.parent)
+    d.mkdir(0o700, exist_ok=True)
+    os.chmod(d, 0o700)
+    return d
 
 
 @contextmanager
@@ -54,7 +104,7 @@ def atomic_path(path: Path, mode: int = 0o644) -> Iterator[Path]:
     stays on one filesystem). Creates the parent directory."""
     import tempfile
 
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     os.close(fd)
     try:
@@ -88,7 +138,7 @@ def publish_dir(final: Path) -> Iterator[Path]:
     meanwhile, that one stays and ours is dropped. Removed if the block raises."""
     import tempfile
 
-    final.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(final.parent)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f"{final.name}.tmp"))
     os.chmod(tmp, 0o755)  # as a plain mkdir makes it (mkdtemp's is 0700)
     try:
@@ -110,12 +160,42 @@ def user_profile_dir() -> Path:
     return Path(base) / "linkctl" / "profiles"
 
 
+def sudo_user_profile_dir() -> Path | None:
+    """Under sudo, the invoking user's ~/.config/linkctl/profiles: sudo sets HOME to
+    root's, so the user's home comes from the password database (SUDO_USER)."""
+    import pwd
+
+    user = os.environ.get("SUDO_USER")
+    if os.geteuid() != 0 or not user or user == "root":
+        return None
+    try:
+        return Path(pwd.getpwnam(user).pw_dir) / ".config" / "linkctl" / "profiles"
+    except KeyError:
+        return None
+
+
+def profile_files(dirs: list[Path]) -> list[Path]:
+    """The *.toml files in ``dirs``, in order. A directory this user may not read holds
+    none for it (root's ~/.config when HOME stayed root's: sudo -E, setpriv)."""
+    out = []
+    for d in dirs:
+        try:
+            out += sorted(d.glob("*.toml")) if d.is_dir() else []
+        except OSError:
+            continue
+    return out
+
+
 def profile_dirs() -> list[Path]:
-    """Where `--profile NAME` looks, first match wins: $LINKCTL_PROFILES, the user's
-    ~/.config/linkctl/profiles, the system's /etc/linkctl/profiles, then the shipped ones."""
-    dirs = []
+    """Where `--profile NAME` looks, first match wins: $LINKCTL_PROFILES, under sudo the
+    invoking user's ~/.config/linkctl/profiles, this user's, the system's
+    /etc/linkctl/profiles, then the shipped ones."""
     env = os.environ.get("LINKCTL_PROFILES")
-    if env:
-        dirs.append(Path(env))
-    dirs += [user_profile_dir(), SYSTEM_PROFILE_DIR, shipped("profiles")]
-    return dirs
+    dirs = [
+        Path(env) if env else None,
+        sudo_user_profile_dir(),
+        user_profile_dir(),
+        SYSTEM_PROFILE_DIR,
+        shipped("profiles"),
+    ]
+    return list(dict.fromkeys(d for d in dirs if d is not None))

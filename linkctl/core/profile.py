@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import ErrorDetails
 
 from linkctl.core.errors import InputError
-from linkctl.core.paths import DEFAULT_PROFILE, profile_dirs
+from linkctl.core.paths import DEFAULT_PROFILE, profile_dirs, profile_files
 
 IFNAME_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,15}$")
 MAC_RE = re.compile(r"^([0-9a-f]{2}:){5}[0-9a-f]{2}$")
@@ -360,23 +360,22 @@ def resolve_profile_path(name_or_path: str) -> Path:
     if p.suffix == ".toml" or "/" in name_or_path:
         try:
             found = p.is_file()
-        except PermissionError:  # a directory on the way this user may not enter
+        except OSError as e:  # a directory on the way this user may not search
             raise InputError(
-                f"--profile {name_or_path!r}: no permission to read it",
-                "run as its owner (sudo), or copy the profile where you can read it",
+                f"--profile {name_or_path!r}: cannot read it: {e.strerror}",
+                "give a profile this user can read",
             ) from None
         if not found:
             raise InputError(f"--profile {name_or_path!r}: no such file", "give a path to a .toml")
-        return p
-    tried = []
-    for d in profile_dirs():
+        return p.absolute()
+    dirs = profile_dirs()
+    for d in dirs:
         cand = d / f"{name_or_path}.toml"
-        tried.append(str(d))
-        if cand.is_file():
+        if cand in profile_files([d]):
             return cand
-    known = sorted({f.stem for d in profile_dirs() if d.is_dir() for f in d.glob("*.toml")})
+    known = sorted({f.stem for f in profile_files(dirs)})
     raise InputError(
-        f"--profile {name_or_path!r}: no such profile in {', '.join(tried)}",
+        f"--profile {name_or_path!r}: no such profile in {', '.join(map(str, dirs))}",
         f"use one of: {', '.join(known) or 'none found'}, or a path to a .toml file",
     )
 
@@ -387,6 +386,16 @@ def load_chosen(name_or_path: str | None) -> tuple[Profile, Path]:
     import os
 
     return load_profile(name_or_path or os.environ.get("LINKCTL_PROFILE") or DEFAULT_PROFILE)
+
+
+def announce(profile: Profile, path: Path, host: str | None = None) -> None:
+    """A command's first progress line, on stderr: the profile and the file it came
+    from (a copy in ~/.config/linkctl/profiles shadows the shipped one of the same
+    name), and this host when the command acts as one."""
+    from linkctl.core.log import write_line
+
+    on = f", host {host}" if host else ""
+    write_line(f"linkctl: profile {profile.name} from {path}{on}")
 
 
 def load_profile(name_or_path: str) -> tuple[Profile, Path]:

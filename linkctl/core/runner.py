@@ -203,6 +203,7 @@ class Children:
 
     def spawn(self, argv: Sequence[str], log: Path) -> subprocess.Popen:
         fh = log.open("w")
+        os.fchmod(fh.fileno(), 0o644)  # whatever the umask: users read the state's logs
         try:
             proc = self.runner.spawn(argv, stdout=fh, stderr=subprocess.STDOUT)
         except BaseException:

@@ -79,7 +79,8 @@ def _pair(
 
     pre = profile.prefill_host
     if not answered.get(pre.name):
-        return [_check("kv-agent", Verdict.SKIP, None, f"peer {pre.name} did not answer ARP")]
+        detail = f"peer {pre.name} not reached by ARP (see its line)"
+        return [_check("kv-agent", Verdict.SKIP, None, detail)]
     port = profile.serve.disagg.agent_port
     try:
         theirs = kvxfer.remote_model(pre.ip, port, source=host.ip, timeout=timeout_s)

@@ -9,7 +9,7 @@ from typing import IO, TYPE_CHECKING
 
 from linkctl.core.errors import LinkctlError
 from linkctl.core.log import speaker
-from linkctl.core.paths import write_atomic
+from linkctl.core.paths import make_dirs, private_dir, write_atomic
 from linkctl.core.profile import HostSpec, Profile
 from linkctl.core.records import RouteStatus, dump, status_path
 from linkctl.disagg.plan import (
@@ -36,8 +36,8 @@ def start_agent(
     telling the head the model and KV layout this host's llama-server runs (``kv``)."""
     from linkctl.disagg import kvxfer
 
-    for d in (kv_dir(), models_dir()):
-        d.mkdir(parents=True, exist_ok=True)
+    private_dir(kv_dir())
+    make_dirs(models_dir())
     say = speaker("kv-agent", log)
     agent = kvxfer.Agent(
         host.ip,
@@ -105,7 +105,7 @@ def run_decode(
     say = speaker("route", log)
     model = plan.decode.model
     cfg = resolve_route_config(profile, model, threshold)
-    cfg.decode_slot_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(cfg.decode_slot_dir)
     spec = llama_server_child(plan.decode)
     sup = Supervisor(spec, policy=policy, log=log, status_path=status_path("head"))
     failed: list[LinkctlError] = []

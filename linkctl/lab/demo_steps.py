@@ -177,7 +177,8 @@ class Responder(BackgroundStep):
 
 
 def doctor_checks_of(rows: list[dict[str, Any]]) -> list[Check]:
-    """`linkctl doctor --json`'s lines (doctor.DoctorResult.as_json) as Check records."""
+    """`linkctl doctor --json`'s lines (its "checks": doctor.DoctorResult.as_json) as
+    Check records."""
     return [
         Check(
             name=r["check"],
@@ -378,7 +379,7 @@ class Doctor(Step):
         log = ctx.log(f"{self.head}-doctor.log")
         argv = ["linkctl", "doctor", "--profile", str(ctx.prof_path), "--json"]
         r = ctx.run_in(self.head, argv, log, timeout=120)
-        rows = json.loads(r.stdout) if r.stdout.strip().startswith("[") else []
+        rows = json.loads(r.stdout)["checks"] if r.stdout.strip().startswith("{") else []
         checks = doctor_checks_of(rows)
         count = {v: sum(c.verdict is v for c in checks) for v in Verdict}
         ctx.report.doctor = DoctorSummary(

@@ -71,7 +71,6 @@ def down(
 
     require_root("down removes the services and the link configuration")
     res = DownResult(prof.name, str(profile_path), h.name, dry_run)
-    say(f"profile {prof.name} from {profile_path}, host {h.name} ({h.role}, {h.interface})")
     rec = up_record.load_record(prof.name, h.name)
     run_stage(res.stages, say, "services", lambda: _services(prof, h, res, runner, dry_run, root))
     run_stage(res.stages, say, "link", lambda: _link(prof, h, backend, dry_run))

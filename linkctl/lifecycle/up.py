@@ -204,7 +204,6 @@ def up(
     res = UpResult(
         prof.name, str(profile_path), h.name, h.role, opts.boot, opts.dry_run, reach(prof, h)
     )
-    say(f"profile {prof.name} from {profile_path}, host {h.name} ({h.role}, {h.interface})")
     prep = preflight(prof, h, backend, opts, runner, root)
     prep.paths = _profile_paths(prep.paths, profile_path)
     if opts.dry_run:

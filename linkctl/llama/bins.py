@@ -26,6 +26,7 @@ question linkctl asks a remote endpoint). The answer is cached per binary
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -38,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from linkctl.core.errors import InputError
-from linkctl.core.paths import state_dir
+from linkctl.core.paths import state_dir, write_atomic
 from linkctl.core.runner import Runner, default_runner, stop_process
 
 RPC_NAMES = ("ggml-rpc-server", "rpc-server")
@@ -272,11 +273,9 @@ def rpc_protocol(
                 time.sleep(0.1)
     finally:
         stop_process(proc, 5)
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps({"path": b.path, "version": list(version), "how": "HELLO"}))
-    except OSError:
-        pass
+    # A cache: a user who cannot write root's state dir just asks again next time.
+    with contextlib.suppress(OSError):
+        write_atomic(cache, json.dumps({"path": b.path, "version": list(version), "how": "HELLO"}))
     return version
 
 

@@ -371,7 +371,7 @@ def verify(
     runner: Runner | None = None,
     check_endpoints: bool = True,
 ) -> VerifyReport:
-    from linkctl.core.paths import state_dir
+    from linkctl.core.paths import make_dirs, state_dir
 
     t0 = time.monotonic()
     runner = runner or default_runner()
@@ -396,8 +396,7 @@ def verify(
     if dry_run:
         rep.elapsed_s = time.monotonic() - t0
         return rep
-    log_dir = state_dir() / "verify"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = make_dirs(state_dir() / "verify")
     results: dict[str, list[list[Step]]] = {}
     for pl in (rep.reference, rep.split):
         try:

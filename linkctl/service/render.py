@@ -11,7 +11,7 @@ from pathlib import Path
 from xml.sax.saxutils import escape as xml_escape
 
 from linkctl.core.errors import InputError
-from linkctl.core.paths import SYSTEM_PROFILE_DIR, shipped
+from linkctl.core.paths import SYSTEM_PROFILE_DIR, SYSTEM_STATE_DIR, shipped
 from linkctl.core.profile import HostSpec, Profile
 
 UNIT_DIR = "/etc/systemd/system"
@@ -23,7 +23,7 @@ LAUNCHD_DIR = "/Library/LaunchDaemons"
 LAUNCHD_RUNTIME_DIR = "/var/run/linkctl/launchd"
 LAUNCHD_LOG_DIR = "/Library/Logs"
 PROFILE_DIR = str(SYSTEM_PROFILE_DIR)
-STATE_DIR = "/var/lib/linkctl"
+STATE_DIR = str(SYSTEM_STATE_DIR)
 SYSTEMD_UNITS = ("linkctl-link.service", "linkctl-responder.service", "linkctl-serve.service")
 LAUNCHD_JOBS = ("link", "probe", "responder", "serve")
 LABEL_PREFIX = "com.linkctl."

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -13,7 +16,7 @@ import tomli_w
 
 from linkctl.core.errors import InputError
 from linkctl.core.profile import load_profile, parse_profile
-from support.cli import linkctl
+from support.cli import error_lines, linkctl, need_root_netns, need_tool
 from support.lab import ns_snapshot
 from support.paths import PROFILES
 
@@ -45,6 +48,7 @@ def test_profile_names_search_user_then_system_then_shipped(tmp_path, monkeypatc
     from linkctl.core import paths
 
     monkeypatch.delenv("LINKCTL_PROFILES", raising=False)
+    monkeypatch.delenv("SUDO_USER", raising=False)  # the suite itself may run under sudo
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     monkeypatch.setattr(paths, "SYSTEM_PROFILE_DIR", tmp_path / "etc")
     user, system = tmp_path / "config/linkctl/profiles", tmp_path / "etc"
@@ -65,6 +69,41 @@ def test_profile_names_search_user_then_system_then_shipped(tmp_path, monkeypatc
         load_profile("no-such-link")
     assert all(str(d) in e.value.message for d in (user, system, PROFILES))
     assert "dgx2-mac-switch" in e.value.fix
+
+
+def test_under_sudo_the_invoking_users_profiles_come_first(tmp_path):
+    """sudo gives root's HOME, yet the profile the user copied to their
+    ~/.config/linkctl/profiles is the one used: found through SUDO_USER's home in the
+    password database. The real CLI runs in a private mount namespace whose /etc/passwd
+    has that user (nothing of this machine's changes)."""
+    need_root_netns()
+    need_tool("unshare")
+    home = tmp_path / "home" / "owner"
+    mine = home / ".config" / "linkctl" / "profiles" / "dgx-mac.toml"
+    mine.parent.mkdir(parents=True)
+    mine.write_text(tomli_w.dumps({**BASE, "description": "the owner's copy"}))
+    passwd = tmp_path / "passwd"
+    passwd.write_text(Path("/etc/passwd").read_text() + f"owner:x:4242:4242::{home}:/bin/sh\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LINKCTL_PROF", "XDG_"))}
+    env["HOME"] = str(tmp_path / "root-home")  # what sudo sets: root's, without profiles
+
+    def first_line(**extra: str) -> str:
+        bind = ["sh", "-c", 'mount --bind "$0" /etc/passwd && exec "$@"', str(passwd)]
+        cli = [sys.executable, "-m", "linkctl", "calibrate", "--dry-run", "--host", "dgx"]
+        r = subprocess.run(
+            ["unshare", "--mount", "--propagation", "private", *bind, *cli],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**env, **extra},
+        )
+        assert r.returncode == 0, r.stderr
+        return r.stderr.splitlines()[0]
+
+    assert first_line(SUDO_USER="owner") == f"linkctl: profile dgx-mac from {mine}"
+    # Without sudo, or sudo from root itself, the shipped profile as before.
+    for extra in ({}, {"SUDO_USER": "root"}):
+        assert first_line(**extra) == f"linkctl: profile dgx-mac from {PROFILES / 'dgx-mac.toml'}"
 
 
 def test_profile_check_cli_prints_resolved_profile():
@@ -215,6 +254,6 @@ def test_bad_profiles_change_nothing_in_the_lab(lab, tmp_path):
         path.write_text(tomli_w.dumps(d))
         r = lab.exec("dgx", "linkctl", "setup", "--profile", str(path))
         assert r.returncode == 2, (case, r.stdout, r.stderr)
-        lines = r.stderr.strip().splitlines()
+        lines = error_lines(r.stderr)
         assert len(lines) == 1 and field in lines[0], (case, r.stderr)
     assert ns_snapshot(lab.netns("dgx")) == before

@@ -187,7 +187,7 @@ def test_calibrate_refuses_before_measuring_and_writes_nothing(state, tmp_path_f
     """The CLI, real run and dry run: exit 2, one line naming the file, no servers
     started, no generated model or log written (the state dir is byte-for-byte as it was)."""
     from linkctl.gguf.tiny import TinySpec, write_tiny_llama
-    from support.cli import linkctl
+    from support.cli import error_lines, linkctl
 
     model = write_tiny_llama(tmp_path_factory.mktemp("m") / "t.gguf", TinySpec())["path"]
     p = calibration_path()
@@ -199,7 +199,7 @@ def test_calibrate_refuses_before_measuring_and_writes_nothing(state, tmp_path_f
         r = linkctl("calibrate", "--host", "dgx", "--model", model, *extra, env=env)
         assert r.returncode == 2, r.stderr
         assert r.stdout == ""
-        lines = r.stderr.strip().splitlines()
+        lines = error_lines(r.stderr)
         assert len(lines) == 1 and str(p) in lines[0] and "schema_version 99" in lines[0]
         assert "move it aside" in lines[0]
         assert _tree(state) == before

@@ -1,14 +1,17 @@
 """runner.stop_process against real children: one that stops on SIGTERM, one that
-ignores it and must be SIGKILLed within the timeout, and one that already exited."""
+ignores it and must be SIGKILLed within the timeout, and one that already exited; and
+Children's log files, readable by users whatever the umask."""
 
 from __future__ import annotations
 
+import os
 import signal
+import stat
 import subprocess
 import sys
 import time
 
-from linkctl.core.runner import Runner, stop_process
+from linkctl.core.runner import Children, Runner, stop_process
 
 # Prints "ready" once SIGTERM is ignored, so the test never signals it too early.
 IGNORES_TERM = (
@@ -60,3 +63,15 @@ def test_already_exited_child_is_left_alone():
     said: list[str] = []
     assert stop_process(p, 5, say=said.append) == 0
     assert said == []
+
+
+def test_children_logs_are_0644_under_a_umask_077(tmp_path):
+    # verify/ and calibrate/ keep their servers' logs in the state directory users read.
+    log = tmp_path / "server.log"
+    old = os.umask(0o077)
+    try:
+        with Children(Runner()) as ch:
+            ch.spawn([sys.executable, "-c", "print('hello')"], log).wait(30)
+    finally:
+        os.umask(old)
+    assert log.read_text() == "hello\n" and stat.S_IMODE(log.stat().st_mode) == 0o644

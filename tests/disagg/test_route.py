@@ -109,7 +109,7 @@ def test_route_disaggregated_equals_decode_alone_stream_and_fallback(make_lab, t
         pre.wait(lambda s: s["state"] == "waiting", 60, "prefill waiting for the model")
         assert "run `linkctl model sync` on mac" in pre.text()
         r = lab.run("dgx", "doctor", "--profile", str(prof), "--json")
-        lines = {ln["check"]: ln for ln in json.loads(r.stdout)}
+        lines = {ln["check"]: ln for ln in json.loads(r.stdout)["checks"]}
         assert lines["disagg model"]["verdict"] == "FAIL", lines["disagg model"]
         assert "model sync" in lines["disagg model"]["fix"]
         r = lab.run("mac", "model", "sync", "--profile", str(prof), "--json")
@@ -127,7 +127,7 @@ def test_route_disaggregated_equals_decode_alone_stream_and_fallback(make_lab, t
         head.wait(lambda s: route_status.exists(), 60, "route listening")
         assert "match: build" in head.text()
         r = lab.run("mac", "doctor", "--profile", str(prof), "--json")
-        lines = {ln["check"]: ln for ln in json.loads(r.stdout)}
+        lines = {ln["check"]: ln for ln in json.loads(r.stdout)["checks"]}
         for check in ("disagg model", "slot directory", "kv-agent", "servers match"):
             assert lines[check]["verdict"] == "PASS", lines[check]
 

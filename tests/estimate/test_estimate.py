@@ -23,7 +23,7 @@ from linkctl.estimate.layers import llama_slot_devices, slots_from_counts
 from linkctl.estimate.report import reason
 from linkctl.gguf.info import read_model
 from support.catalog_kit import dev
-from support.cli import linkctl
+from support.cli import error_lines, linkctl
 from support.ggufshapes import LLAMA_7B, LLAMA_70B, QWEN3_235B_A22B, write_header_only
 from support.paths import PROFILES
 
@@ -448,7 +448,7 @@ def test_cli_bad_input_one_line_exit_2(tmp_path, env, content, args, message):
     r = linkctl("estimate", "--model", str(p), *args, env=env)
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert message in r.stderr
-    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in r.stderr and len(error_lines(r.stderr)) == 1
 
 
 def test_cli_too_large_for_every_device(tmp_path, env):

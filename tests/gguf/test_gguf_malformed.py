@@ -13,7 +13,7 @@ import pytest
 
 from linkctl.core.errors import InputError
 from linkctl.gguf.info import read_model
-from support.cli import linkctl
+from support.cli import error_lines, linkctl
 
 U8, U32, I32, F32, STR, ARR, U64 = 0, 4, 5, 6, 8, 9, 10
 BIG = (1 << 64) - 1
@@ -233,5 +233,5 @@ def test_cli_exit_2_one_line_no_traceback(tmp_path):
             env=None,
         )
         assert r.returncode == 2, (case, r.stdout, r.stderr)
-        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "Traceback" not in r.stderr and len(error_lines(r.stderr)) == 1, r.stderr
         assert CORPUS[case][1] in r.stderr

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from support.cli import need_root_netns
+from support.cli import error_lines, need_root_netns
 from support.llama_util import need_llama
 
 pytestmark = [pytest.mark.netns, pytest.mark.llama]
@@ -163,7 +163,7 @@ def test_demo_ctrl_c_midway_leaves_nothing(tmp_path):
 def test_demo_bad_input_changes_nothing(tmp_path, args, field):
     run = DemoRun(tmp_path, *args)
     code, _ = run.finish(timeout=60)
-    err = [line for line in run.progress if line.strip()]
+    err = error_lines("\n".join(line for line in run.progress if line.strip()))
     assert code == 2 and len(err) == 1 and field in err[0] and "fix:" in err[0], err
     assert not list(Path("/run/netns").glob(f"lk-{run.name}-*"))
     assert not (run.state / "lab").exists() and not (run.state / "demo").exists()

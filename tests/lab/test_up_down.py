@@ -247,7 +247,7 @@ def _age_reports(c: Container, hours: float) -> None:
 def _restart_serve(c: Container) -> int:
     """kill -9 the serve unit's main process; systemd starts it again (Restart=)."""
     st = kit.unit_props(c, "linkctl-serve.service", "MainPID", "NRestarts")
-    c.exec(["kill", "-9", st["MainPID"]])
+    c.exec(["python3", "-c", f"import os; os.kill({st['MainPID']}, 9)"])
     return int(st["NRestarts"])
 
 

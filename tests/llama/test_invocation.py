@@ -11,7 +11,7 @@ import tomli_w
 
 from linkctl.core.errors import InputError
 from linkctl.llama.invocation import KvLayout, RpcServerInvocation, ServerInvocation
-from support.cli import linkctl
+from support.cli import error_lines, linkctl
 from support.paths import PROFILES
 
 BASE = ServerInvocation("llama-server", "m.gguf", "127.0.0.1", 8080)
@@ -104,6 +104,6 @@ def test_serve_refuses_a_profile_whose_extra_args_move_the_api(tmp_path):
     env = {"LINKCTL_STATE_DIR": str(state), "PATH": "/usr/bin:/bin"}
     r = linkctl("serve", "--profile", str(prof), "--host", "mac", "--dry-run", env=os.environ | env)
     assert r.returncode == 2, r.stdout + r.stderr
-    err = r.stderr.strip()
-    assert len(err.splitlines()) == 1 and "serve.extra_args" in err and "--host" in err, err
+    [err] = error_lines(r.stderr)
+    assert "serve.extra_args" in err and "--host" in err, err
     assert not state.exists() or not any(state.rglob("*"))

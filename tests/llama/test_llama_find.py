@@ -122,7 +122,9 @@ def test_cli_lists_what_serve_runs(tmp_path):
     env = {**os.environ, "LINKCTL_LLAMA_BIN": str(Path(bins.rpc_server.path).parent)}
     r = linkctl("llama", "find", "--json", env=env)
     assert r.returncode == 0, r.stderr
-    first = json.loads(r.stdout)[0]
+    out = json.loads(r.stdout)
+    assert out["profile_path"] is None  # no --host: no profile read
+    first = out["builds"][0]
     assert first["found_via"] == "LINKCTL_LLAMA_BIN" and first["rpc_protocol"].startswith("7.")
     assert set(first["selected"]) == {"llama-server", "rpc-server"}
     r = linkctl("llama", "find")

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import tomli_w
 
+from support.cli import error_lines
 from support.lab import ns_snapshot
 
 
@@ -174,7 +175,7 @@ def refused(lab, host, profile_path, must_say):
     before = {h: ns_snapshot(lab.netns(h)) for h in ("dgx", "mac")}
     r = lab.exec(host, "linkctl", "setup", "--profile", profile_path)
     assert r.returncode == 2, r.stdout + r.stderr
-    lines = r.stderr.strip().splitlines()
+    lines = error_lines(r.stderr)
     assert len(lines) == 1 and must_say in lines[0], r.stderr
     assert "Traceback" not in r.stderr
     for h in ("dgx", "mac"):

@@ -6,14 +6,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import select
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -37,6 +33,7 @@ from linkctl.probe.nic import check_nic
 from linkctl.probe.report import ProbeReport, save, to_prometheus
 from linkctl.probe.responder import Responder
 from support.cli import need_tool
+from support.lab import responder
 from support.llama_util import stop
 from support.netfacts import nic_facts
 from support.paths import FIXTURES, TESTS
@@ -257,30 +254,6 @@ def test_responder_refuses_wildcard():
 
 
 # ---- lab: the real responder, iperf3, ping, ARP ------------------------------------
-
-
-def _read_line(proc: subprocess.Popen, timeout: float) -> str:
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    if not ready:
-        raise AssertionError(f"no output from {proc.args} within {timeout} s")
-    return proc.stdout.readline()
-
-
-@contextmanager
-def responder(lab, host: str):
-    """`linkctl responder --json` in the host's namespace (the argv lab exec uses)."""
-    from linkctl.lab import netns
-
-    argv, env = netns.exec_argv(netns.load_lab(lab.name), host, ["linkctl", "responder", "--json"])
-    proc = subprocess.Popen(
-        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        line = _read_line(proc, 30)
-        assert line, proc.stderr.read()
-        yield proc, json.loads(line)
-    finally:
-        stop(proc)
 
 
 def _setup(lab):
@@ -585,37 +558,16 @@ def _iperf_pids(lab) -> list[int]:
 
 @pytest.mark.netns
 def test_no_raw_socket_permission_reason(lab):
+    """Root without CAP_NET_RAW (a container's root): ARP cannot be sent, so the probe
+    stops with the reason, exit 2. A user is refused before anything runs
+    (tests/core/test_privilege.py)."""
     _setup(lab)
     from linkctl.lab import netns
 
-    # As user nobody: the pytest tmp dirs are root-only, so use a world-readable one.
-    d = Path(tempfile.mkdtemp(prefix="lkp-nobody-"))
-    try:
-        os.chmod(d, 0o755)
-        (d / "state").mkdir(mode=0o777)
-        os.chmod(d / "state", 0o777)
-        shutil.copy(netns.load_lab(lab.name).profile_path, d / "profile.toml")
-        os.chmod(d / "profile.toml", 0o644)
-        argv, env = netns.exec_argv(netns.load_lab(lab.name), "mac", ["linkctl", "probe"])
-        env.update(
-            LINKCTL_STATE_DIR=str(d / "state"),
-            LINKCTL_PROFILE=str(d / "profile.toml"),
-            HOME=str(d / "state"),
-        )
-        # ip netns exec NS setpriv ... python -m linkctl probe
-        argv = [
-            *argv[:4],
-            "setpriv",
-            "--reuid",
-            "65534",
-            "--regid",
-            "65534",
-            "--clear-groups",
-            *argv[4:],
-        ]
-        r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+    argv, env = netns.exec_argv(netns.load_lab(lab.name), "mac", ["linkctl", "probe"])
+    # ip netns exec NS setpriv --bounding-set=-net_raw python -m linkctl probe
+    argv = [*argv[:4], "setpriv", "--bounding-set=-net_raw", *argv[4:]]
+    r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
     assert "Traceback" not in r.stderr, r.stderr
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert "no permission for raw sockets" in r.stdout + r.stderr

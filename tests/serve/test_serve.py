@@ -16,7 +16,7 @@ from linkctl.core.profile import RpcSpec, load_profile
 from linkctl.llama.bins import Binary, LlamaBins, compatible
 from linkctl.serve import plan as sv
 from linkctl.serve import run
-from support.cli import linkctl
+from support.cli import error_lines, linkctl
 from support.paths import PROFILES
 
 BINS = LlamaBins(
@@ -220,7 +220,7 @@ def test_split_llama_weights_and_bad_values(split_env):
     ):
         r = _dry(env, "--model", model, "--split", bad)
         assert r.returncode == 2, (bad, r.stdout)
-        assert msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert msg in r.stderr and len(error_lines(r.stderr)) == 1, r.stderr
         assert "Traceback" not in r.stderr
 
 
@@ -240,7 +240,7 @@ def test_recommended_without_a_probe_report(tmp_path, split_env):
     )
     r = _dry(env, "--model", model, "--split", "recommended")
     assert r.returncode == 2 and "--split recommended needs the estimate" in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1
+    assert len(error_lines(r.stderr)) == 1
 
 
 def test_profile_serve_split_is_used(tmp_path, split_env):

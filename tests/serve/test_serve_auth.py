@@ -20,7 +20,7 @@ from linkctl.core.profile import parse_profile
 from linkctl.llama.bins import LlamaBins
 from linkctl.serve import auth as sa
 from linkctl.serve import plan as sv
-from support.cli import linkctl
+from support.cli import error_lines, linkctl
 from support.llama_util import need_llama
 from support.paths import PROFILES
 from support.serve_lab import Serve
@@ -129,7 +129,7 @@ def test_serve_refuses_from_the_cli_and_starts_nothing(tmp_path):
         r = linkctl("serve", "--profile", str(p), "--host", "mac", *extra)
         assert r.returncode == 2, r.stderr
         err = r.stderr.strip()
-        assert len(err.splitlines()) == 1 and "Traceback" not in err
+        assert len(error_lines(err)) == 1 and "Traceback" not in err
         assert "serve.host = '0.0.0.0'" in err and "serve.api_key_file" in err
     assert sorted(tmp_path.rglob("*")) == before
 

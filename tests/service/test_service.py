@@ -21,7 +21,7 @@ import tomli_w
 from linkctl import service as svc
 from linkctl.core.profile import load_profile, parse_profile
 from linkctl.core.runner import stop_process
-from support.cli import linkctl, need_tool
+from support.cli import error_lines, linkctl, need_tool
 from support.lab import ns_snapshot
 from support.paths import PROFILES as SHIPPED_PROFILES
 from support.service_kit import (
@@ -313,7 +313,7 @@ def test_install_for_another_profile_replaces_the_first(tmp_path):
 def refused(r: subprocess.CompletedProcess, *words: str) -> None:
     assert r.returncode == 2, r.stdout + r.stderr
     err = r.stderr.strip()
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert len(error_lines(err)) == 1 and "Traceback" not in err, err
     for w in words:
         assert w in err, err
 

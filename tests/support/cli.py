@@ -10,6 +10,8 @@ import sys
 import pytest
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+# User nobody, no groups, no capabilities: what someone without sudo runs as.
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
 
 
 def need_root_netns() -> None:
@@ -34,6 +36,13 @@ def need_tool(name: str) -> str:
     return path
 
 
+def error_lines(stderr: str) -> list[str]:
+    """stderr's lines without the profile line a command that reads a profile says first
+    (linkctl.core.profile.announce): what a bad-input test counts as its one line."""
+    lines = stderr.strip().splitlines()
+    return lines[1:] if lines and lines[0].startswith("linkctl: profile ") else lines
+
+
 def linkctl(
     *args: str, env: dict[str, str] | None = None, timeout: float = 120, input: str | None = None
 ) -> subprocess.CompletedProcess:
@@ -45,4 +54,23 @@ def linkctl(
         timeout=timeout,
         env=env,
         input=input,
+    )
+
+
+def linkctl_as_nobody(
+    *args: str, env: dict[str, str] | None = None, netns: str | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess:
+    """The real CLI run by user nobody (HOME /nonexistent), inside ``netns`` when given
+    (`ip netns exec` enters it as root, then setpriv drops to nobody). Needs root."""
+    need_tool("setpriv")
+    argv = [*NOBODY, sys.executable, "-m", "linkctl", *args]
+    if netns:
+        argv = ["ip", "netns", "exec", netns, *argv]
+    return subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd="/",
+        env={**(os.environ if env is None else env), "HOME": "/nonexistent"},
     )

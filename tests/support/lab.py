@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 from support.cli import linkctl
+from support.llama_util import stop
 
 
 class LabHandle:
@@ -48,6 +53,33 @@ class LabHandle:
 
     def down(self) -> None:
         linkctl("lab", "down", "--name", self.name)
+
+
+def read_line(stream: IO[str] | None, timeout: float) -> str:
+    """The next line of a child's stdout or stderr pipe, failing after ``timeout`` s."""
+    assert stream is not None
+    ready, _, _ = select.select([stream], [], [], timeout)
+    if not ready:
+        raise AssertionError(f"no output within {timeout} s")
+    return stream.readline()
+
+
+@contextmanager
+def responder(lab: LabHandle, host: str) -> Iterator[tuple[subprocess.Popen, dict]]:
+    """`linkctl responder --json` in the host's namespace (the argv lab exec uses):
+    (the process, its ready line), stopped when the block ends."""
+    from linkctl.lab import netns
+
+    argv, env = netns.exec_argv(netns.load_lab(lab.name), host, ["linkctl", "responder", "--json"])
+    proc = subprocess.Popen(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        line = read_line(proc.stdout, 30)
+        assert line, proc.stderr.read() if proc.stderr else ""
+        yield proc, json.loads(line)
+    finally:
+        stop(proc)
 
 
 def ns_snapshot(netns: str) -> dict:
