@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from linkctl.core.checks import Check, Verdict, worst
-from linkctl.core.errors import CheckFailed, ConnectionRefused, InputError
+from linkctl.core.errors import CheckFailed, ConnectionRefused, InputError, Timeout
 from linkctl.core.profile import HostSpec, Profile
 from linkctl.net.backend import Backend
 from linkctl.net.netstate import LinkStatus
@@ -357,6 +357,18 @@ def check_llama(
                 None,
                 f"{where}: busy (llama-server connected): it answers one client at a time",
                 "nothing to do if that llama-server is yours; else stop it and re-run doctor",
+            )
+            continue
+        except Timeout:
+            # The peer answered ARP: a connect with no answer is a full listen queue, the
+            # connects left waiting while a client (the head's llama-server) holds it.
+            res.add(
+                name,
+                Verdict.WARN,
+                None,
+                f"{where}: busy (its listen queue is full while a client holds it): it answers "
+                "one client at a time",
+                "nothing to do if that client is your llama-server; else stop it and re-run doctor",
             )
             continue
         except rpc.RpcNoHello as e:

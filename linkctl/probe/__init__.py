@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from linkctl.core.checks import Verdict
-from linkctl.core.errors import InputError
+from linkctl.core.errors import InputError, Timeout
 from linkctl.core.profile import HostSpec, Profile
 from linkctl.core.records import RpcPart
 from linkctl.probe.report import ProbeReport
@@ -197,6 +197,14 @@ def _check_rpc(report: ProbeReport, peer: HostSpec, timeout_s: float) -> None:
     try:
         with socket.create_connection((addr, port), timeout=timeout_s):
             pass
+    except TimeoutError:
+        # The peer answered the echo just now: a connect left unanswered is rpc-server's
+        # full listen queue while one client (the head's llama-server) holds it.
+        report.rpc = RpcPart(endpoint=f"{addr}:{port}", busy=True)
+        report.add(
+            "rpc", Verdict.WARN, None, None, f"{addr}:{port} busy: a client holds rpc-server"
+        )
+        return
     except OSError:
         report.add(
             "rpc",
@@ -208,7 +216,7 @@ def _check_rpc(report: ProbeReport, peer: HostSpec, timeout_s: float) -> None:
         return
     try:
         info = rpc.query(addr, port, timeout=timeout_s)
-    except rpc.RpcBusy as e:
+    except (rpc.RpcBusy, Timeout) as e:
         report.rpc = RpcPart(endpoint=f"{addr}:{port}", busy=True, error=e.message)
         report.add("rpc", Verdict.WARN, None, None, e.message)
         return
