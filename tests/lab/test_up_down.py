@@ -58,9 +58,14 @@ class Pair:
             return {n: f.result() for n, f in futs.items()}
 
     def up(self) -> None:
+        t0 = time.monotonic()
         self.ups = self.on_both("up")
         for n, r in self.ups.items():
             assert r.returncode == 0, (n, r.stdout, r.stderr[-4000:])
+            for line in r.stderr.splitlines():  # the stage lines, timed, for the record
+                if "linkctl[up]" in line:
+                    say(f"{n}: {line}")
+        say(f"up on both hosts: {time.monotonic() - t0:.0f} s")
         self.is_up = True
 
     def down(self) -> dict[str, Result]:
