@@ -23,10 +23,21 @@ class _LazyConsole:
 
     def __getattr__(self, name: str) -> Any:
         if self._console is None:
+            import os
+
             from rich.console import Console
 
-            self._console = Console(**self._kwargs)
+            stream = sys.stderr if self._kwargs.get("stderr") else sys.stdout
+            kwargs = dict(self._kwargs)
+            # Not a terminal (a journal, a log file, a pipe): rich would wrap tables at
+            # 80 columns, splitting a probe's reason over lines a grep cannot find.
+            if "COLUMNS" not in os.environ and not stream.isatty():
+                kwargs.setdefault("width", LOG_WIDTH)
+            self._console = Console(**kwargs)
         return getattr(self._console, name)
+
+
+LOG_WIDTH = 160
 
 
 # emoji=False: linkctl prints no emoji, and text such as a MAC or a path is never
