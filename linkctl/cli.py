@@ -33,6 +33,7 @@ from linkctl.commands import (
     link,
     llama,
     model,
+    pair,
     probe,
     serve,
     service,
@@ -44,6 +45,7 @@ app = typer.Typer(
     name="linkctl",
     help="Verified, measured direct links for llama.cpp RPC split inference.\n\n"
     "\b\n"
+    "  sudo linkctl pair                      each host: find the other, write the profile\n"
     "  sudo linkctl up --profile dgx-mac      each host: link, probe gate, serve, at boot\n"
     "  sudo linkctl down                      undo it all\n"
     "  sudo linkctl setup --profile dgx-mac   configure this host's end of the link\n"
@@ -63,6 +65,7 @@ for module in (
     lifecycle,
     link,
     lab,
+    pair,
     probe,
     serve,
     disagg,

@@ -63,6 +63,7 @@ def check_facts(f: LinkFacts, ifname: str) -> None:
     for m in (f.min_mtu, f.max_mtu):
         assert m is None or type(m) is int
     assert f.owner in OWNERS and type(f.owner_detail) is str and type(f.media) is str
+    assert f.kind in ("wired", "wifi", "other")
     json.dumps(f.as_dict())
 
 

@@ -6,10 +6,11 @@ own package and the packages of the layers below, never a layer above nor a sibl
 package of its own layer:
 
     core                      errors, runner, paths, profile, records, log, output
-    net, gguf                 the link (netlink, NetworkManager, networksetup); GGUF headers
+    net, gguf, host           the link (netlink, NetworkManager, networksetup); GGUF headers;
+                              this machine's accelerator and memory
     llama                     llama.cpp binaries, RPC client, invocation, HTTP client
     probe, estimate           measure the link; predict a model's speed
-    calibrate, serve          measure a host; run and verify the pair
+    calibrate, serve, pair    measure a host; run and verify the pair; pair two hosts
     disagg                    prefill on one host, decode on the other
     service                   boot units
     lifecycle                 up and down: the stages above, in order, and undone
@@ -32,10 +33,10 @@ from support.paths import REPO
 PKG = REPO / "linkctl"
 LAYERS: list[set[str]] = [
     {"core", "__init__"},
-    {"net", "gguf"},
+    {"net", "gguf", "host"},
     {"llama"},
     {"probe", "estimate"},
-    {"calibrate", "serve"},
+    {"calibrate", "serve", "pair"},
     {"disagg"},
     {"service"},
     {"lifecycle"},

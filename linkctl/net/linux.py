@@ -73,6 +73,22 @@ def nm_connection_name(profile: str) -> str:
     return f"linkctl-{profile}"
 
 
+def link_kind(ifname: str, sys_net: Path = Path("/sys/class/net")) -> str:
+    """wired/wifi/other from sysfs (read only; `ip netns exec` mounts the namespace's
+    own): ``wireless``/``phy80211`` mark a WiFi device (cfg80211), ``type`` 1 is
+    ARPHRD_ETHER (include/uapi/linux/if_arp.h); bridges, bonds and tunnels are other."""
+    d = sys_net / ifname
+    if (d / "wireless").exists() or (d / "phy80211").exists():
+        return "wifi"
+    if any((d / sub).exists() for sub in ("bridge", "bonding", "tun_flags")):
+        return "other"
+    try:
+        arphrd = int((d / "type").read_text().strip())
+    except (OSError, ValueError):
+        return "other"
+    return "wired" if arphrd == 1 else "other"
+
+
 class LinuxBackend:
     os_name = "linux"
 
@@ -120,6 +136,7 @@ class LinuxBackend:
             max_mtu=link.max_mtu,
             owner=owner,
             owner_detail=detail,
+            kind=link_kind(ifname),
         )
 
     def routes(self) -> list[Route]:

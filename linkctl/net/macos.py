@@ -53,6 +53,7 @@ from linkctl.net.macos_parse import (
     parse_netstat_inet,
     parse_route_get,
     parse_service_order,
+    port_kind,
 )
 from linkctl.net.netstate import LinkFacts, Route
 from linkctl.net.plan import Change, Effect, Kind, Plan
@@ -226,6 +227,7 @@ class MacBackend:
             owner="networksetup" if svc else "none",
             owner_detail=svc.name if svc else "",
             media=media.raw if media else "",
+            kind=port_kind(self._port(ifname).name),
         )
 
     def routes(self) -> list[Route]:

@@ -71,6 +71,18 @@ def parse_hardware_ports(text: str) -> list[HardwarePort]:
     return ports
 
 
+def port_kind(port_name: str) -> str:
+    """wired/wifi/other from a hardware port's name as networksetup prints it
+    ("Wi-Fi" since 10.7, "AirPort" before; "Thunderbolt Bridge" is a bridge of the
+    Thunderbolt ports, "Bluetooth PAN" and "iPhone USB" are not cables to a peer)."""
+    low = port_name.lower()
+    if "wi-fi" in low or "airport" in low:
+        return "wifi"
+    if any(w in low for w in ("bridge", "bluetooth", "iphone", "vpn", "vlan")):
+        return "other"
+    return "wired"
+
+
 @dataclass(frozen=True)
 class NetworkService:
     name: str  # may hold spaces and parentheses: "VPN (L2TP)", "USB 10/100/1000 LAN"

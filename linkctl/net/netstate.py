@@ -55,6 +55,9 @@ class LinkFacts:
     owner: str = "none"  # "networkmanager", "systemd-networkd", "networksetup", "none"
     owner_detail: str = ""  # NM connection or macOS network service name
     media: str = ""  # raw media line where the OS gives one (macOS ifconfig)
+    # "wired" (an Ethernet port, a veth), "wifi", or "other" (loopback, bridge, tunnel,
+    # Bluetooth, iPhone USB): `linkctl pair` considers only wired ports.
+    kind: str = "other"
 
     def has_address(self, cidr: str) -> bool:
         return cidr in self.addresses

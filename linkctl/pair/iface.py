@@ -1,0 +1,110 @@
+"""Which interface is the cable: carrier up, wired, not the default route's, not WiFi,
+no IPv4 address of another network. The default route's interface and WiFi are never
+used, even when named with --interface."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+from typing import Any
+
+from linkctl.core.errors import InputError
+from linkctl.net.backend import Backend
+from linkctl.net.netstate import LinkFacts
+
+LINK_LOCAL_V4 = ipaddress.IPv4Network("169.254.0.0/16")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    ifname: str
+    usable: bool
+    why: str  # what makes it the cable, or what rules it out
+    facts: LinkFacts | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"interface": self.ifname, "usable": self.usable, "why": self.why}
+
+
+def _global(addresses: tuple[str, ...]) -> list[str]:
+    return [a for a in addresses if ipaddress.IPv4Interface(a).ip not in LINK_LOCAL_V4]
+
+
+def _judge(backend: Backend, ifname: str, default_if: str | None, named: bool) -> Candidate:
+    try:
+        f = backend.link_facts(ifname)
+    except InputError:
+        return Candidate(ifname, False, "not a network port (no hardware port)")
+    never = None
+    if ifname == default_if:
+        never = "holds the default route (your way out: never touched)"
+    elif f.kind == "wifi":
+        never = "is WiFi (never touched)"
+    if never:
+        return Candidate(ifname, False, never, f)
+    if f.kind != "wired" and not named:
+        return Candidate(ifname, False, "not a wired port (loopback, bridge, tunnel)", f)
+    if not f.up:
+        return Candidate(ifname, False, "is down (it comes up when a cable is plugged in)", f)
+    if not f.carrier:
+        return Candidate(ifname, False, "has no carrier (no cable, or the peer is off)", f)
+    taken = _global(f.addresses)
+    if taken and not named:
+        return Candidate(ifname, False, f"has {', '.join(taken)} (another network's)", f)
+    speed = f"{f.speed_mbps} Mb/s" if f.speed_mbps else "speed unknown"
+    return Candidate(ifname, True, f"wired, carrier up, {speed}, MTU up to {f.max_mtu or f.mtu}", f)
+
+
+def survey(backend: Backend, interface: str | None = None) -> list[Candidate]:
+    """Every interface judged (only ``interface`` when one is named)."""
+    d = backend.default_route()
+    default_if = d.ifname if d else None
+    names = [interface] if interface else backend.interfaces()
+    return [_judge(backend, n, default_if, named=bool(interface)) for n in names]
+
+
+def choose(backend: Backend, interface: str | None = None) -> LinkFacts:
+    """The one cable; InputError (exit 2) saying why each interface was ruled out."""
+    judged = survey(backend, interface)
+    ok = [c for c in judged if c.usable]
+    if interface:
+        if not ok:
+            if judged[0].facts is None:
+                backend.link_facts(interface)  # the backend's own error, naming the others
+            raise InputError(
+                f"--interface {interface} {judged[0].why}",
+                "plug the cable into a wired port and name that one",
+            )
+    elif len(ok) != 1:
+        why = "; ".join(f"{c.ifname} {c.why}" for c in judged if c.ifname != "lo")
+        if not ok:
+            raise InputError(
+                f"no interface here can be the cable: {why}",
+                "plug the cable in (both hosts on), or name the port with --interface",
+            )
+        names = ", ".join(c.ifname for c in ok)
+        raise InputError(
+            f"{len(ok)} interfaces could be the cable: {names}",
+            "name the one with the cable: --interface IF",
+        )
+    assert ok[0].facts is not None
+    return ok[0].facts
+
+
+def used_networks(backend: Backend, pairing_if: str) -> list[str]:
+    """IPv4 networks this host routes or holds, the pairing interface's excepted: the
+    agreed subnet must overlap none (a VPN's routes count: they are in the table)."""
+    nets: set[ipaddress.IPv4Network] = set()
+    for r in backend.routes():
+        if r.is_default or r.ifname == pairing_if:
+            continue
+        nets.add(r.network())
+    for name in backend.interfaces():
+        if name == pairing_if:
+            continue
+        try:
+            addrs = backend.link_facts(name).addresses
+        except InputError:
+            continue
+        nets.update(ipaddress.IPv4Interface(a).network for a in addrs)
+    return [str(n) for n in sorted(nets)]
