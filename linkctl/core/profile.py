@@ -19,6 +19,8 @@ from pydantic_core import ErrorDetails
 from linkctl.core.errors import InputError
 from linkctl.core.paths import DEFAULT_PROFILE, profile_dirs, profile_files
 
+HOST_NAME_PATTERN = r"^[a-z][a-z0-9-]{0,15}$"
+PROFILE_NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,40}$"
 IFNAME_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,15}$")
 MAC_RE = re.compile(r"^([0-9a-f]{2}:){5}[0-9a-f]{2}$")
 # Ethernet MTUs a NIC can plausibly take: IPv4 minimum up to the common jumbo ceiling.
@@ -65,7 +67,7 @@ class RpcSpec(_Strict):
 
 
 class HostSpec(_Strict):
-    name: str = Field(pattern=r"^[a-z][a-z0-9-]{0,15}$")
+    name: str = Field(pattern=HOST_NAME_PATTERN)
     os: Literal["linux", "macos"]
     interface: str
     address: ipaddress.IPv4Interface
@@ -202,7 +204,7 @@ class ProbeSpec(_Strict):
 
 
 class Profile(_Strict):
-    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_.-]{0,40}$")
+    name: str = Field(pattern=PROFILE_NAME_PATTERN)
     description: str = ""
     link: LinkSpec
     hosts: list[HostSpec] = Field(min_length=2)

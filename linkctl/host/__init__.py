@@ -7,29 +7,11 @@ per OS behind it (as psutil and linkctl.net do), a typed record back.
 from __future__ import annotations
 
 import socket
-from dataclasses import asdict, dataclass
-from typing import Any
 
 from linkctl.core.runner import Runner, default_runner
+from linkctl.host.facts import MachineFacts
 
-
-@dataclass(frozen=True)
-class MachineFacts:
-    hostname: str  # the short host name, as the OS gives it
-    os: str  # "linux" or "macos"
-    accelerator: str  # as the vendor tool prints it: "NVIDIA GB10", "Apple M2 Ultra"; "" none
-    memory_gb: float  # system memory in GiB (unified on Apple silicon and GB10)
-    # The accelerator's own memory when it has some apart from the system's (a discrete
-    # GPU); None when unified or unknown.
-    accelerator_memory_gb: float | None = None
-
-    @property
-    def usable_gb(self) -> float:
-        """Memory the accelerator can hold weights in: its own, else the system's."""
-        return self.accelerator_memory_gb or self.memory_gb
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+__all__ = ["MachineFacts", "machine_facts"]
 
 
 def machine_facts(os_name: str, runner: Runner | None = None) -> MachineFacts:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from linkctl.core.runner import Runner
-from linkctl.host import MachineFacts
+from linkctl.host.facts import MachineFacts
 
 NVIDIA_SMI = ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"]
 

@@ -4,7 +4,7 @@ sysctl(8); Apple silicon's GPU shares that memory."""
 from __future__ import annotations
 
 from linkctl.core.runner import Runner
-from linkctl.host import MachineFacts
+from linkctl.host.facts import MachineFacts
 
 
 def facts(runner: Runner, hostname: str) -> MachineFacts:

@@ -81,15 +81,20 @@ def _overlaps(net: ipaddress.IPv4Network, a: Announcement, b: Announcement) -> s
     return None
 
 
+def parse_subnet(text: str) -> ipaddress.IPv4Network:
+    try:
+        net = ipaddress.IPv4Network(text, strict=True)
+    except ValueError as e:
+        raise InputError(f"--subnet {text!r}: {e}", "write it as A.B.C.0/30") from None
+    if not 16 <= net.prefixlen <= 30:
+        raise InputError(f"--subnet {text}: prefix /{net.prefixlen}", "use /16 to /30")
+    return net
+
+
 def subnet(a: Announcement, b: Announcement) -> ipaddress.IPv4Network:
     wanted = _one("subnet", a.wants.subnet, b.wants.subnet)
     if wanted:
-        try:
-            net = ipaddress.IPv4Network(wanted, strict=True)
-        except ValueError as e:
-            raise InputError(f"--subnet {wanted!r}: {e}", "write it as A.B.C.D/30") from None
-        if not 16 <= net.prefixlen <= 30:
-            raise InputError(f"--subnet {wanted}: prefix /{net.prefixlen}", "use /16 to /30")
+        net = parse_subnet(wanted)
         clash = _overlaps(net, a, b)
         if clash:
             raise InputError(

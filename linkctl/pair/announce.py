@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from linkctl.core.errors import InputError
+from linkctl.core.profile import HOST_NAME_PATTERN
 
 PROTOCOL: Literal[1] = 1
 MAX_BYTES = 4096  # one announcement; a datagram longer than this is refused
@@ -36,7 +37,7 @@ class Announcement(BaseModel):
     protocol: Literal[1]
     linkctl: Short
     nonce: str = Field(pattern=r"^[0-9a-f]{32}$")
-    host: str = Field(pattern=r"^[a-z][a-z0-9-]{0,15}$")
+    host: str = Field(pattern=HOST_NAME_PATTERN)
     os: Literal["linux", "macos"]
     interface: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,15}$")
     mac: str | None = Field(default=None, pattern=r"^([0-9a-f]{2}:){5}[0-9a-f]{2}$")

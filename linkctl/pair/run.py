@@ -119,6 +119,27 @@ def gather(backend: Backend, facts: LinkFacts, opts: PairOptions, runner: Runner
     )
 
 
+def check_options(opts: PairOptions) -> None:
+    """Bad input refused before anything is sent (exit 2), by the field and the fix."""
+    import re
+
+    from linkctl.core.profile import HOST_NAME_PATTERN, PROFILE_NAME_PATTERN
+
+    if opts.subnet:
+        agree.parse_subnet(opts.subnet)
+    if opts.name and not re.fullmatch(PROFILE_NAME_PATTERN, opts.name):
+        raise InputError(
+            f"--name {opts.name!r}: not a profile name", "use a-z, 0-9, _ . - (41 at most)"
+        )
+    for flag, v in (("--host", opts.host), ("--head", opts.head)):
+        if v and not re.fullmatch(HOST_NAME_PATTERN, v):
+            raise InputError(
+                f"{flag} {v!r}: not a host name", "a letter, then a-z, 0-9, - (16 at most)"
+            )
+    if not 1 <= opts.window_s <= 3600:
+        raise InputError(f"--window {opts.window_s:g}: out of range", "give 1 to 3600 seconds")
+
+
 # ---- the exchange --------------------------------------------------------------------
 
 
@@ -269,6 +290,7 @@ def pair(
     """``confirm(code, peer)``: asks the person; None: --yes."""
     from linkctl import __version__
 
+    check_options(opts)
     facts = iface.choose(backend, opts.interface)
     say(f"interface: {facts.ifname} ({facts.kind}, carrier up, MAC {facts.mac or 'unknown'})")
     local = gather(backend, facts, opts, runner)
