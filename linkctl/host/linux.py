@@ -7,7 +7,9 @@ from pathlib import Path
 from linkctl.core.runner import Runner
 from linkctl.host.facts import MachineFacts
 
-NVIDIA_SMI = ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"]
+# The query DGX Spark owners post (tests/fixtures/linux/SOURCES.md): name, compute
+# capability, memory with its unit ("24564 MiB"), "[N/A]" on GB10's unified memory.
+NVIDIA_SMI = ["nvidia-smi", "--query-gpu=name,compute_cap,memory.total", "--format=csv,noheader"]
 
 
 def parse_meminfo(text: str) -> float:
@@ -19,15 +21,17 @@ def parse_meminfo(text: str) -> float:
 
 
 def parse_nvidia_smi(text: str) -> tuple[str, float | None]:
-    """The first GPU's name and memory (MiB -> GiB); memory None where the driver prints
-    "[N/A]" or "[Not Supported]", as GB10's unified memory does."""
+    """The first GPU's name and memory in GiB (None where the driver prints "[N/A]" or
+    "[Not Supported]")."""
     line = next((ln for ln in text.splitlines() if ln.strip()), "")
-    name, _, mem = line.partition(",")
+    fields = [f.strip() for f in line.split(",")]
+    name, mem = fields[0], fields[-1] if len(fields) > 1 else ""
+    number, _, unit = mem.partition(" ")
     try:
-        gb: float | None = round(float(mem.strip()) / 1024, 1)
+        gb: float | None = round(float(number) / 1024, 1) if unit == "MiB" else None
     except ValueError:
         gb = None
-    return name.strip(), gb
+    return name, gb
 
 
 def facts(runner: Runner, hostname: str, meminfo: Path = Path("/proc/meminfo")) -> MachineFacts:

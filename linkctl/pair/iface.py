@@ -21,6 +21,7 @@ class Candidate:
     usable: bool
     why: str  # what makes it the cable, or what rules it out
     facts: LinkFacts | None = None
+    error: InputError | None = None  # the backend's, when it has no such port
 
     def as_dict(self) -> dict[str, Any]:
         return {"interface": self.ifname, "usable": self.usable, "why": self.why}
@@ -31,17 +32,14 @@ def _global(addresses: tuple[str, ...]) -> list[str]:
 
 
 def _judge(backend: Backend, ifname: str, default_if: str | None, named: bool) -> Candidate:
+    if ifname == default_if:
+        return Candidate(ifname, False, "holds the default route (your way out: never touched)")
     try:
         f = backend.link_facts(ifname)
-    except InputError:
-        return Candidate(ifname, False, "not a network port (no hardware port)")
-    never = None
-    if ifname == default_if:
-        never = "holds the default route (your way out: never touched)"
-    elif f.kind == "wifi":
-        never = "is WiFi (never touched)"
-    if never:
-        return Candidate(ifname, False, never, f)
+    except InputError as e:
+        return Candidate(ifname, False, "is not a network port", error=e)
+    if f.kind == "wifi":
+        return Candidate(ifname, False, "is WiFi (never touched)", f)
     if f.kind != "wired" and not named:
         return Candidate(ifname, False, "not a wired port (loopback, bridge, tunnel)", f)
     if not f.up:
@@ -69,8 +67,8 @@ def choose(backend: Backend, interface: str | None = None) -> LinkFacts:
     ok = [c for c in judged if c.usable]
     if interface:
         if not ok:
-            if judged[0].facts is None:
-                backend.link_facts(interface)  # the backend's own error, naming the others
+            if judged[0].error:
+                raise judged[0].error  # the backend's own, naming the ports there are
             raise InputError(
                 f"--interface {interface} {judged[0].why}",
                 "plug the cable into a wired port and name that one",
@@ -92,19 +90,8 @@ def choose(backend: Backend, interface: str | None = None) -> LinkFacts:
 
 
 def used_networks(backend: Backend, pairing_if: str) -> list[str]:
-    """IPv4 networks this host routes or holds, the pairing interface's excepted: the
-    agreed subnet must overlap none (a VPN's routes count: they are in the table)."""
-    nets: set[ipaddress.IPv4Network] = set()
-    for r in backend.routes():
-        if r.is_default or r.ifname == pairing_if:
-            continue
-        nets.add(r.network())
-    for name in backend.interfaces():
-        if name == pairing_if:
-            continue
-        try:
-            addrs = backend.link_facts(name).addresses
-        except InputError:
-            continue
-        nets.update(ipaddress.IPv4Interface(a).network for a in addrs)
+    """IPv4 networks this host routes, the pairing interface's excepted: the agreed
+    subnet must overlap none. Every address has its connected route in the table, and
+    a VPN's routes are there too."""
+    nets = {r.network() for r in backend.routes() if not r.is_default and r.ifname != pairing_if}
     return [str(n) for n in sorted(nets)]
