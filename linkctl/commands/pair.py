@@ -48,6 +48,15 @@ def register(app: typer.Typer) -> None:
                 show_default=False,
             ),
         ] = None,
+        model: Annotated[
+            str | None,
+            typer.Option(
+                "--model",
+                help="serve.model: the GGUF's absolute path on the head (on one host or "
+                "the same on both).",
+                show_default=False,
+            ),
+        ] = None,
         host: Annotated[
             str | None,
             typer.Option(
@@ -133,6 +142,7 @@ def register(app: typer.Typer) -> None:
             subnet=subnet,
             head=head,
             host=host,
+            model=model,
             write=write,
             llama_bin_dir=llama_bin_dir,
             window_s=window,

@@ -7,6 +7,7 @@ import hashlib
 import ipaddress
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import tomli_w
 
@@ -148,7 +149,7 @@ def profile(a: Announcement, b: Announcement) -> tuple[Profile, str]:
             h["device"] = x.device
         return h
 
-    data = {
+    data: dict[str, Any] = {
         "name": name,
         "description": (
             f"{head.host} ({head.accelerator or head.os}, head) and "
@@ -161,6 +162,9 @@ def profile(a: Announcement, b: Announcement) -> tuple[Profile, str]:
         },
         "hosts": [host(head, "head", addrs[0]), host(rpc, "rpc", addrs[1])],
     }
+    model = _one("model", a.wants.model, b.wants.model)
+    if model:
+        data["serve"] = {"model": model}
     try:
         return parse_profile(data, "the paired profile"), why
     except InputError as e:

@@ -29,6 +29,7 @@ class Wants(BaseModel):
     name: Short | None = None
     subnet: Short | None = None
     head: Short | None = None
+    model: Annotated[str, Field(max_length=512)] | None = None  # serve.model, on the head
 
 
 class Announcement(BaseModel):

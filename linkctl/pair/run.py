@@ -39,6 +39,7 @@ class PairOptions:
     subnet: str | None = None
     head: str | None = None
     host: str | None = None  # this host's name in the profile (default: its host name)
+    model: str | None = None  # serve.model: the model's path on the head
     write: Path | None = None
     llama_bin_dir: str | None = None
     window_s: float = 120.0
@@ -136,6 +137,11 @@ def check_options(opts: PairOptions) -> None:
             raise InputError(
                 f"{flag} {v!r}: not a host name", "a letter, then a-z, 0-9, - (16 at most)"
             )
+    if opts.model is not None and not opts.model.startswith("/"):
+        raise InputError(
+            f"--model {opts.model!r}: not an absolute path",
+            "give the model's absolute path on the head (boot services do not run in your cwd)",
+        )
     if not 1 <= opts.window_s <= 3600:
         raise InputError(f"--window {opts.window_s:g}: out of range", "give 1 to 3600 seconds")
 
@@ -294,7 +300,7 @@ def pair(
     facts = iface.choose(backend, opts.interface)
     say(f"interface: {facts.ifname} ({facts.kind}, carrier up, MAC {facts.mac or 'unknown'})")
     local = gather(backend, facts, opts, runner)
-    wants = Wants(name=opts.name, subnet=opts.subnet, head=opts.head)
+    wants = Wants(name=opts.name, subnet=opts.subnet, head=opts.head, model=opts.model)
     me = announcement(local, wants, __version__)
     say(
         f"this host: {me.host}, {me.accelerator or me.os} ({me.device or 'not in the catalog'}), "

@@ -7,9 +7,11 @@ import pytest
 
 from linkctl.core.errors import InputError
 from linkctl.host import machine_facts
+from linkctl.host.macos import parse_memsize
+from linkctl.net.macos_parse import parse_hardware_ports, port_kind
 from linkctl.pair import iface
 from linkctl.pair.run import catalog_key
-from support.macos_replay import argv, backend, mac_studio, out
+from support.macos_replay import argv, backend, fx, mac_studio, out
 
 
 def test_the_mac_pairs_on_its_ethernet_never_on_its_wifi():
@@ -49,15 +51,26 @@ def test_the_networks_the_mac_uses_come_from_its_routing_table():
 
 
 def test_the_mac_announces_its_chip_and_memory():
+    """One Mac Studio M3 Ultra (512 GB) as its owner's transcripts recorded it."""
     r = mac_studio()
     r.tools.add("sysctl")
     r.answers[argv("sysctl -n machdep.cpu.brand_string")] = out(
-        "sysctl-n-machdep.cpu.brand_string-m2-ultra.txt"
+        "sysctl-n-machdep.cpu.brand_string-m3-ultra.txt"
     )
-    r.answers[argv("sysctl -n hw.memsize")] = out("sysctl-n-hw.memsize-48gb.txt")
+    r.answers[argv("sysctl hw.memsize")] = out("sysctl-hw.memsize-512gb-mac-studio-m3-ultra.txt")
     m = machine_facts("macos", r)
-    assert m.os == "macos" and m.accelerator == "Apple M2 Ultra"
-    # (the memory output is another Mac's: no 128 GB `sysctl -n hw.memsize` was found)
-    assert m.memory_gb == 48.0 and m.accelerator_memory_gb is None and m.usable_gb == 48.0
-    assert catalog_key(m.accelerator) == "m2-ultra"
+    assert m.os == "macos" and m.accelerator == "Apple M3 Ultra"
+    assert m.memory_gb == 512.0 and m.accelerator_memory_gb is None and m.usable_gb == 512.0
+    assert catalog_key(m.accelerator) == "m3-ultra"
     assert r.unexpected == []
+    # The bare number of `sysctl -n hw.memsize` (a 48 GB MacBook Pro's) reads alike.
+    assert parse_memsize(fx("sysctl-n-hw.memsize-48gb.txt")) == 48.0
+    assert parse_memsize(fx("sysctl-hw.memsize-192gb-m2-ultra.txt")) == 192.0
+
+
+def test_a_mac_studio_with_many_ports_has_one_wifi_and_one_bridge():
+    ports = parse_hardware_ports(fx("networksetup-listallhardwareports-mac-studio-m4-max.txt"))
+    kinds = {p.device: port_kind(p.name) for p in ports}
+    assert kinds["en1"] == "wifi" and kinds["bridge0"] == "other"
+    assert kinds["en0"] == kinds["en10"] == "wired"  # Ethernet, Thunderbolt Ethernet Slot 1
+    assert [d for d, k in kinds.items() if k == "wifi"] == ["en1"]
