@@ -50,7 +50,6 @@ def ann(**kw) -> Announcement:
         max_mtu=9216,
         speed_mbps=10000,
         networks=["10.0.0.0/24"],
-        time=time.time(),
     )
     base.update(kw)
     return Announcement.model_validate(base)
@@ -103,18 +102,21 @@ def test_head_named_and_subnet_chosen_around_what_either_host_uses():
 
 
 @pytest.mark.parametrize(
-    "a_kw, b_kw, words",
+    "b_kw, skew, words",
     [
-        ({}, {"host": "spark"}, "both hosts are named 'spark'"),
-        ({}, {"linkctl": "0.0.9"}, "runs linkctl 0.0.9"),
-        ({}, {"rpc_protocol": [2, 0, 0]}, "speaks RPC protocol 2.0.0"),
-        ({}, {"time": time.time() - 3600}, "clock is -3600 s"),
+        ({"host": "spark"}, 0, "both hosts are named 'spark'"),
+        ({"linkctl": "0.0.9"}, 0, "runs linkctl 0.0.9"),
+        ({"rpc_protocol": [2, 0, 0]}, 0, "speaks RPC protocol 2.0.0"),
+        ({}, -3600, "clock is -3600 s"),
+        ({"wants": Wants(dry_run=True)}, 0, "--dry-run is given on studio only"),
+        ({"wants": Wants(setup=False)}, 0, "--no-setup is given on studio only"),
     ],
 )
-def test_a_peer_it_cannot_pair_with_is_refused(a_kw, b_kw, words):
+def test_a_peer_it_cannot_pair_with_is_refused(b_kw, skew, words):
     b = ann(**{"nonce": "1" * 32, "host": "studio", **b_kw})
+    agree.check_peer(SPARK, STUDIO, 100)  # within the skew allowed
     with pytest.raises(InputError) as e:
-        agree.check_peer(ann(**a_kw), b, time.time())
+        agree.check_peer(SPARK, b, skew)
     assert words in e.value.message and e.value.fix and e.value.exit_code == 2
 
 
@@ -143,8 +145,13 @@ def test_options_the_hosts_disagree_on_or_that_clash_are_refused(a_wants, b_want
     [
         (b"not json", "not JSON"),
         (b"x" * 5000, "oversized announcement"),
-        (json.dumps({"linkctl_pair": "hello", "ann": {"protocol": 1}}).encode(), "linkctl:"),
+        (
+            json.dumps({"linkctl_pair": "hello", "sent": 1.7e9, "ann": {"protocol": 1}}).encode(),
+            "linkctl:",
+        ),
         (json.dumps({"linkctl_pair": "pwn", "ann": {}}).encode(), "linkctl_pair"),
+        (b"[" * 2000 + b"]" * 2000, "not JSON"),  # nested past the recursion limit
+        (json.dumps({"linkctl_pair": "hello", "sent": "now", "ann": {}}).encode(), "sent"),
     ],
 )
 def test_hostile_datagrams_are_refused_by_what_is_wrong(data, words):
@@ -164,10 +171,22 @@ def test_an_announcement_is_bounded_and_strict():
         {"networks": ["not a network"]},
         {"memory_gb": -1},
         {"accelerator": "A" * 200},
+        {"accelerator": "GB10\x1b[2J"},  # a terminal escape
     ):
         with pytest.raises(InputError):
             parse({**good, **bad}, "fe80::1%en0")
     assert parse(good, "fe80::1%en0") == SPARK
+
+
+def test_a_peers_text_is_printed_as_text(capsys):
+    """A peer's "[/]" in an error is not rich markup (no MarkupError, no traceback)."""
+    from linkctl.core.output import error_line
+
+    b = ann(nonce="1" * 32, host="studio", linkctl="[/][red]x")
+    with pytest.raises(InputError) as e:
+        agree.check_peer(SPARK, b, 0)
+    error_line(e.value.message)
+    assert "runs linkctl [/][red]x" in capsys.readouterr().err
 
 
 def test_accelerator_names_map_to_the_catalog():
@@ -252,17 +271,28 @@ def test_two_hosts_pair_set_up_and_probe(make_lab, tmp_path):
         assert d["interface"] == prof.host(h).interface and d["peer"]["host"] != h
 
 
-def test_three_hosts_on_a_bridge_are_refused_and_nothing_is_written(make_lab, tmp_path):
+def test_a_third_host_on_a_bridge_stops_the_pairing_and_nothing_is_written(make_lab, tmp_path):
+    """Three hosts on one switch segment: the third already announcing when the two
+    start. No host pairs (each hears two), whatever --yes says; nothing is written."""
     lab = make_lab("dgx2-mac-switch")
     plug(lab)
-    before = {h["name"]: ns_snapshot(lab.netns(h["name"])) for h in lab.info["hosts"]}
-    out = on_all(lab, tmp_path, "--yes", "--subnet", LAB_SUBNET, "--window", "30")
+    hosts = [h["name"] for h in lab.info["hosts"]]
+    before = {h: ns_snapshot(lab.netns(h)) for h in hosts}
+    args = ["--yes", "--subnet", LAB_SUBNET, "--window", "30"]
+    with ThreadPoolExecutor(3) as ex:
+        third = ex.submit(lab.run, hosts[-1], *pair_args(lab, hosts[-1], tmp_path, *args))
+        time.sleep(3)
+        two = {h: ex.submit(lab.run, h, *pair_args(lab, h, tmp_path, *args)) for h in hosts[:-1]}
+        out = {hosts[-1]: third.result(), **{h: f.result() for h, f in two.items()}}
     for h, r in out.items():
         assert r.returncode == 2, (h, r.stderr[-2000:])
-        assert "3 hosts are pairing on" in r.stderr or "2 hosts are pairing on" in r.stderr
+        assert "hosts are pairing on" in r.stderr, (h, r.stderr[-2000:])
     assert list(tmp_path.iterdir()) == []
-    for h in lab.info["hosts"]:
-        assert ns_snapshot(lab.netns(h["name"])) == before[h["name"]]
+    for h in hosts:
+        assert ns_snapshot(lab.netns(h)) == before[h]
+
+
+FAKE = "support.fake_pair_peer"
 
 
 @contextmanager
@@ -270,7 +300,7 @@ def fake_peer(lab: LabHandle, host: str, mode: str, **extra) -> Iterator[None]:
     """A hostile or odd peer on ``host``'s end of the cable, announcing for 20 s."""
     h = lab.host(host)
     proc = subprocess.Popen(
-        ["ip", "netns", "exec", lab.netns(host), sys.executable, "-m", "support.fake_pair_peer",
+        ["ip", "netns", "exec", lab.netns(host), sys.executable, "-m", FAKE,
          h["interface"], mode, json.dumps(extra), "20"],
         env={"PYTHONPATH": f"{REPO / 'tests'}:{REPO}", "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
         stderr=subprocess.PIPE,
@@ -285,7 +315,7 @@ def fake_peer(lab: LabHandle, host: str, mode: str, **extra) -> Iterator[None]:
 BAD_PEERS = [
     ("garbage", {}, "malformed announcement from fe80::"),
     ("oversized", {}, "oversized announcement from fe80::"),
-    ("hello", {"time": time.time() - 7200}, "clock is -7"),
+    ("hello", {"clock_s": -7200}, "clock is -7"),
     ("hello", {"linkctl": "0.0.1"}, "runs linkctl 0.0.1"),
     ("hello", {"networks": ["198.18.100.0/24"]}, "overlaps 198.18.100.0/24 on fake"),
     ("hello", {"host": "Fake Host"}, "malformed announcement from fe80::"),

@@ -62,11 +62,18 @@ def verdict(v: Verdict) -> str:
 
 
 def error_line(message: str) -> None:
-    err_console.print(f"[red]linkctl: error:[/] {message}", markup=True, soft_wrap=True)
+    from rich.markup import escape
+
+    # Escaped: a message may quote what a peer or a file said ("[/]" is not markup).
+    err_console.print(f"[red]linkctl: error:[/] {escape(message)}", markup=True, soft_wrap=True)
 
 
 def warn_line(message: str) -> None:
-    err_console.print(f"[yellow]linkctl: warning:[/] {message}", markup=True, soft_wrap=True)
+    from rich.markup import escape
+
+    err_console.print(
+        f"[yellow]linkctl: warning:[/] {escape(message)}", markup=True, soft_wrap=True
+    )
 
 
 def verdict_lines(rows: list[tuple[Verdict, str, str, str | None]]) -> None:

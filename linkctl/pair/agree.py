@@ -29,9 +29,10 @@ def code(a: Announcement, b: Announcement) -> str:
     return f"{digits[:3]}-{digits[3:]}"
 
 
-def check_peer(me: Announcement, peer: Announcement, now: float) -> None:
+def check_peer(me: Announcement, peer: Announcement, skew_s: float) -> None:
     """Refuse a peer this host cannot pair with: same name, another linkctl, another
-    RPC protocol, a clock far off."""
+    RPC protocol, a run that goes less far, a clock far off (``skew_s``: the peer's
+    send time minus this host's receive time)."""
     if peer.host == me.host:
         raise InputError(
             f"both hosts are named {me.host!r}",
@@ -49,10 +50,18 @@ def check_peer(me: Announcement, peer: Announcement, now: float) -> None:
             f"peer {peer.host}'s llama.cpp speaks RPC protocol {theirs}, this host's {mine}",
             "build the same llama.cpp release on both hosts (scripts/build-llama.sh)",
         )
-    skew = peer.time - now
-    if abs(skew) > MAX_CLOCK_SKEW_S:
+    for flag, mine_v, theirs_v in (
+        ("--dry-run", me.wants.dry_run, peer.wants.dry_run),
+        ("--no-setup", not me.wants.setup, not peer.wants.setup),
+    ):
+        if mine_v != theirs_v:
+            raise InputError(
+                f"{flag} is given on {me.host if mine_v else peer.host} only",
+                f"give {flag} on both hosts or on neither",
+            )
+    if abs(skew_s) > MAX_CLOCK_SKEW_S:
         raise InputError(
-            f"peer {peer.host}'s clock is {skew:+.0f} s from this host's "
+            f"peer {peer.host}'s clock is {skew_s:+.0f} s from this host's "
             f"(at most {MAX_CLOCK_SKEW_S:g} s)",
             "turn on time sync on both (Linux: timedatectl set-ntp true; macOS: "
             "System Settings > General > Date & Time)",
@@ -175,5 +184,7 @@ def render(prof: Profile) -> str:
     return "# written by `linkctl pair`\n" + tomli_w.dumps(prof.to_toml_dict())
 
 
-def digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
+def digest(text: str, a: Announcement, b: Announcement) -> str:
+    """What each host confirms: this profile, in this session (both nonces)."""
+    nonces = "".join(sorted((a.nonce, b.nonce)))
+    return hashlib.sha256(f"{nonces}\n{text}".encode()).hexdigest()

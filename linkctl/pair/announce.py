@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ipaddress
 import secrets
-import time
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -19,7 +18,8 @@ PROTOCOL: Literal[1] = 1
 MAX_BYTES = 4096  # one announcement; a datagram longer than this is refused
 MAX_NETWORKS = 64
 
-Short = Annotated[str, Field(max_length=64)]
+# Printable only: a peer's strings reach screens and logs (no control characters).
+Short = Annotated[str, Field(max_length=64, pattern=r"^[^\x00-\x1f\x7f]*$")]
 
 
 class Wants(BaseModel):
@@ -29,7 +29,11 @@ class Wants(BaseModel):
     name: Short | None = None
     subnet: Short | None = None
     head: Short | None = None
-    model: Annotated[str, Field(max_length=512)] | None = None  # serve.model, on the head
+    model: Annotated[str, Field(max_length=512, pattern=r"^[^\x00-\x1f\x7f]*$")] | None = None
+    # How far this run goes: both hosts must go as far (a peer that probes needs this
+    # host's responder).
+    dry_run: bool = False
+    setup: bool = True
 
 
 class Announcement(BaseModel):
@@ -46,14 +50,13 @@ class Announcement(BaseModel):
     device: Short | None = None  # the device catalog's key, when it knows the accelerator
     memory_gb: float = Field(gt=0, le=65536)
     usable_gb: float = Field(gt=0, le=65536)
-    llama_build: Annotated[str, Field(max_length=128)] | None = None
+    llama_build: Annotated[str, Field(max_length=128, pattern=r"^[^\x00-\x1f\x7f]*$")] | None = None
     rpc_protocol: Annotated[list[Annotated[int, Field(ge=0, le=1000)]], Field(max_length=3)] = []
     max_mtu: int = Field(ge=1280, le=65535)
     speed_mbps: int | None = Field(default=None, gt=0, le=10_000_000)
     # IPv4 networks this host routes or holds (its pairing interface's excepted): the
     # subnet agreed on must overlap none of them.
     networks: Annotated[list[Short], Field(max_length=MAX_NETWORKS)] = []
-    time: float = Field(gt=0)
     wants: Wants = Wants()
 
     def used_networks(self) -> list[ipaddress.IPv4Network]:
@@ -126,6 +129,5 @@ def announcement(local: Local, wants: Wants, version: str) -> Announcement:
         max_mtu=max(1280, min(local.max_mtu, 65535)),
         speed_mbps=local.speed_mbps,
         networks=list(local.networks[:MAX_NETWORKS]),
-        time=time.time(),
         wants=wants,
     )

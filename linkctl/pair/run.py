@@ -164,11 +164,22 @@ class Exchange:
             )
 
     def _heard(self, msg: Message) -> None:
-        """Every message names its sender; more than one sender is a refusal."""
+        """Every message names its sender; more than one sender, a sender that started
+        over (a new nonce), or a decline is a refusal."""
         if msg.ann.nonce == self.me.nonce:
             return
+        if msg.kind == "decline":
+            raise InputError(
+                f"{msg.ann.host} declined the pairing: {msg.reason or 'no reason given'}",
+                "run pair again on both hosts",
+            )
         old = self.peers.get(msg.source)
-        if old is None or old.ann.nonce != msg.ann.nonce:
+        if old is not None and old.ann.nonce != msg.ann.nonce:
+            raise InputError(
+                f"{msg.ann.host} ({msg.source}) started pairing again while this host paired",
+                "stop linkctl pair on both hosts, then run it again on both",
+            )
+        if old is None:
             self.ch.send(Message("hello", self.me), to=msg.source)
         self.peers[msg.source] = msg
         if len(self.peers) > 1:
@@ -215,51 +226,46 @@ class Exchange:
                     settle = time.monotonic() + SETTLE_S
 
     def confirm(self, peer: Message, digest: str) -> None:
-        """Both sides' confirm of the same digest, each side knowing the other has its."""
+        """Both sides' confirm of the same digest. Done when the peer's confirm says it
+        has this host's, or when the peer, having confirmed, has gone on (its "done",
+        or silence past CONFIRM_GRACE_S: it leaves only with this host's confirm, and a
+        refusal there sends a decline)."""
         src = peer.source
-        got: Message | None = None
-        got_at = 0.0
-        next_send = time.monotonic()
+        got = False
+        last_heard = time.monotonic()
+        next_send = last_heard
         while True:
             now = time.monotonic()
-            if got and got.seen:
-                # The peer has this host's confirm; tell it this host has its, then go.
-                for _ in range(2):
-                    self.ch.send(Message("confirm", self.me, digest=digest, seen=True), to=src)
-                return
-            if got and now - got_at > CONFIRM_GRACE_S:
-                return  # the peer went on: it had this host's confirm
-            if now >= next_send:
-                self._carrier()
-                self.ch.send(
-                    Message("confirm", self.me, digest=digest, seen=got is not None), to=src
-                )
-                next_send = now + ANNOUNCE_EVERY_S / 2
             if now >= self.deadline:
                 raise self._timeout(
                     f"{peer.ann.host} did not confirm the pairing (was the code accepted there?)"
                 )
+            if got and now - last_heard > CONFIRM_GRACE_S:
+                return
+            if now >= next_send:
+                self._carrier()
+                self.ch.send(Message("confirm", self.me, digest=digest, seen=got), to=src)
+                next_send = now + ANNOUNCE_EVERY_S / 2
             msg = self.ch.receive(min(next_send, self.deadline))
             if msg is None or msg.ann.nonce == self.me.nonce:
                 continue
-            if msg.source != src or msg.ann.nonce != peer.ann.nonce:
-                self._heard(msg)  # a third host, or the peer started over: refused
-                continue
-            if msg.kind == "decline":
-                raise InputError(
-                    f"{peer.ann.host} declined the pairing: {msg.reason or 'no reason given'}",
-                    "run pair again on both hosts",
-                )
+            self._heard(msg)  # a third host, a restart or a decline: refused
+            last_heard = time.monotonic()
             if msg.kind == "confirm":
                 if msg.digest != digest:
                     raise InputError(
                         f"{peer.ann.host} agreed to another profile (digest {msg.digest[:12]}, "
                         f"this host {digest[:12]})",
-                        "give both hosts the same --name/--subnet/--head (or on one only)",
+                        "give both hosts the same --name/--subnet/--head/--model (or on one only)",
                     )
-                if got is None:
-                    got, got_at = msg, time.monotonic()
-                got = msg if msg.seen else got
+                got = True
+                if msg.seen:
+                    # The peer has this host's confirm; tell it this host has its, then go.
+                    for _ in range(2):
+                        self.ch.send(Message("confirm", self.me, digest=digest, seen=True), to=src)
+                    return
+            elif msg.kind == "done" and got:
+                return
 
     def decline(self, peer: Message, reason: str) -> None:
         for _ in range(3):
@@ -267,14 +273,19 @@ class Exchange:
 
     def finish(self, peer: Message, within: float, say: Say) -> None:
         """After this host's probe: say done, and wait for the peer's (whose probe may
-        still need this host's responder)."""
+        still need this host's responder). Past the write, a bad datagram only ends the
+        wait early: it changes nothing here."""
         end = time.monotonic() + within
         next_send = 0.0
         while time.monotonic() < end:
             if time.monotonic() >= next_send:
                 self.ch.send(Message("done", self.me), to=peer.source)
                 next_send = time.monotonic() + ANNOUNCE_EVERY_S
-            msg = self.ch.receive(min(next_send, end))
+            try:
+                msg = self.ch.receive(min(next_send, end))
+            except InputError as e:
+                say(f"stopped waiting for {peer.ann.host}: {e.message}")
+                return
             if msg and msg.ann.nonce == peer.ann.nonce and msg.kind == "done":
                 for _ in range(2):
                     self.ch.send(Message("done", self.me), to=peer.source)
@@ -300,7 +311,14 @@ def pair(
     facts = iface.choose(backend, opts.interface)
     say(f"interface: {facts.ifname} ({facts.kind}, carrier up, MAC {facts.mac or 'unknown'})")
     local = gather(backend, facts, opts, runner)
-    wants = Wants(name=opts.name, subnet=opts.subnet, head=opts.head, model=opts.model)
+    wants = Wants(
+        name=opts.name,
+        subnet=opts.subnet,
+        head=opts.head,
+        model=opts.model,
+        dry_run=opts.dry_run,
+        setup=opts.setup,
+    )
     me = announcement(local, wants, __version__)
     say(
         f"this host: {me.host}, {me.accelerator or me.os} ({me.device or 'not in the catalog'}), "
@@ -314,19 +332,24 @@ def pair(
         p = peer.ann
         say(f"peer: {p.host} ({p.accelerator or p.os}) at {peer.source}, MAC {p.mac}")
         try:
-            agree.check_peer(me, p, time.time())
+            agree.check_peer(me, p, peer.sent - time.time())
             prof, why = agree.profile(me, p)
+            text = agree.render(prof)
+            shown = agree.code(me, p)
+            say(
+                f"proposed: profile {prof.name}, subnet {prof.link.subnet}, head "
+                f"{prof.head.name} ({why}), MTU {prof.link.mtu}"
+            )
+            say(f"pairing code: {shown} (the other screen shows the same code)")
+            if confirm is not None and not confirm(shown, p):
+                raise InputError(
+                    f"pairing with {p.host} not confirmed here", "run pair again on both"
+                )
+            ex.confirm(peer, agree.digest(text, me, p))
         except InputError as e:
-            ex.decline(peer, e.message)
+            ex.decline(peer, f"{me.host}: {e.message}")
             raise
-        text = agree.render(prof)
-        shown = agree.code(me, p)
-        say(f"pairing code: {shown} (the other screen shows the same code)")
-        if confirm is not None and not confirm(shown, p):
-            ex.decline(peer, f"{me.host}'s owner did not confirm code {shown}")
-            raise InputError(f"pairing with {p.host} not confirmed", "run pair again on both")
-        ex.confirm(peer, agree.digest(text))
-        say(f"agreed: profile {prof.name}, {prof.head.name} is the head ({why})")
+        say(f"agreed: profile {prof.name}, {prof.head.name} is the head")
         res = PairResult(
             facts.ifname,
             me.model_dump(mode="json"),
@@ -348,7 +371,7 @@ def pair(
         res.profile_path, res.diff = str(path), write_profile(path, text)
         say(f"profile: wrote {path}" + (" (changed, diff below)" if res.diff else ""))
         if opts.setup:
-            _setup_and_probe(prof, me, peer, backend, ex, res, say)
+            _setup_and_probe(prof, me, peer, backend, ex, res, say, opts.window_s)
     return res
 
 
@@ -389,6 +412,7 @@ def _setup_and_probe(
     ex: Exchange,
     res: PairResult,
     say: Say,
+    window_s: float,
 ) -> None:
     from linkctl.net import link
     from linkctl.probe import run_probe
@@ -405,7 +429,8 @@ def _setup_and_probe(
     )
     responder.start()
     try:
-        end = time.monotonic() + max(60.0, ex.deadline - time.monotonic())
+        budget = max(60.0, window_s)  # the peer's probe may take as long
+        end = time.monotonic() + budget
         said = ""
         while True:
             report = run_probe(prof, host, other, backend)
@@ -418,7 +443,7 @@ def _setup_and_probe(
         path = save(report)
         res.probe_ok = report.ok
         say(f"probe -> {other.name}: {'PASS' if report.ok else 'FAIL'} ({path})")
-        ex.finish(peer, 60.0, say)
+        ex.finish(peer, budget + 30.0, say)
     finally:
         responder.stop()
     if not report.ok:

@@ -36,9 +36,14 @@ class Message:
     seen: bool = False  # confirm: the sender has the receiver's confirm
     reason: str = ""  # decline: why, for the other screen
     source: str = ""  # filled on receipt: fe80::...%IF
+    sent: float = 0.0  # the sender's clock when it sent this (set by encode)
 
     def encode(self) -> bytes:
-        d: dict[str, Any] = {"linkctl_pair": self.kind, "ann": self.ann.model_dump(mode="json")}
+        d: dict[str, Any] = {
+            "linkctl_pair": self.kind,
+            "sent": time.time(),
+            "ann": self.ann.model_dump(mode="json"),
+        }
         if self.kind == "confirm":
             d.update(digest=self.digest, seen=self.seen)
         if self.kind == "decline":
@@ -55,7 +60,7 @@ def decode(data: bytes, source: str) -> Message:
         )
     try:
         d = json.loads(data)
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         raise InputError(
             f"malformed announcement from {source}: not JSON",
             "only linkctl pair may answer on the cable; unplug the host that sends it",
@@ -66,10 +71,14 @@ def decode(data: bytes, source: str) -> Message:
             f"malformed announcement from {source}: linkctl_pair: {str(kind)[:20]!r}",
             "install the same linkctl on both hosts",
         )
-    extra = set(d) - {"linkctl_pair", "ann", "digest", "seen", "reason"}
+    extra = set(d) - {"linkctl_pair", "sent", "ann", "digest", "seen", "reason"}
     digest, seen, reason = d.get("digest", ""), d.get("seen", False), d.get("reason", "")
+    sent = d.get("sent")
     if (
         extra
+        or not isinstance(sent, int | float)
+        or isinstance(sent, bool)
+        or not 0 < sent < 1e11
         or not isinstance(digest, str)
         or len(digest) > 64
         or not isinstance(seen, bool)
@@ -77,10 +86,11 @@ def decode(data: bytes, source: str) -> Message:
         or len(reason) > 200
     ):
         raise InputError(
-            f"malformed announcement from {source}: {sorted(extra) or 'digest/seen/reason'}",
+            f"malformed announcement from {source}: {sorted(extra) or 'sent/digest/seen/reason'}",
             "install the same linkctl on both hosts",
         )
-    return Message(kind, parse(d.get("ann"), source), digest, seen, reason, source)
+    reason = "".join(c for c in reason if c.isprintable())
+    return Message(kind, parse(d.get("ann"), source), digest, seen, reason, source, float(sent))
 
 
 class Channel:
@@ -101,7 +111,6 @@ class Channel:
         self.sock = s
 
     def _bind(self, s: socket.socket) -> None:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             if sys.platform == "darwin":
                 s.setsockopt(socket.IPPROTO_IPV6, IPV6_BOUND_IF, self.index)
@@ -115,11 +124,18 @@ class Channel:
         s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_MULTICAST_HOPS, 1)
         s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_UNICAST_HOPS, 1)
         s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_MULTICAST_LOOP, 0)
-        # All nodes: joined by every IPv6 interface already; BSD also wants the socket's
-        # own membership to deliver to it (Linux answers EADDRINUSE when it has one).
+        # All nodes: joined by every IPv6 interface already. BSD delivers multicast only
+        # to a socket with its own membership; Linux delivers it without one (and may
+        # answer the join with EADDRINUSE), so only there is a failed join harmless.
         mreq = socket.inet_pton(socket.AF_INET6, GROUP) + struct.pack("@I", self.index)
-        with contextlib.suppress(OSError):
+        try:
             s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_JOIN_GROUP, mreq)
+        except OSError as e:
+            if sys.platform == "darwin":
+                raise InputError(
+                    f"cannot join {GROUP} on {self.ifname}: {e.strerror}",
+                    "check that IPv6 is on for the port (networksetup -setv6automatic)",
+                ) from None
         try:
             s.bind(("::", self.port, 0, 0))
         except OSError as e:

@@ -2,7 +2,8 @@
 
     python -m support.fake_pair_peer IFNAME MODE EXTRA_JSON SECONDS
 
-MODE: hello (an announcement, EXTRA_JSON's fields over a valid one's), oversized
+MODE: hello (an announcement, EXTRA_JSON's fields over a valid one's; "clock_s" shifts
+its send time), oversized
 (a valid announcement padded past the limit), garbage (not JSON). It announces to
 ff02::1 on IFNAME every 0.3 s for SECONDS."""
 
@@ -23,10 +24,11 @@ def main() -> int:
     ann = {
         "protocol": 1, "linkctl": __version__, "nonce": "f" * 32, "host": "fake", "os": "linux",
         "interface": ifname, "mac": "02:00:00:00:00:99", "accelerator": "", "memory_gb": 512.0,
-        "usable_gb": 500.0, "max_mtu": 9000, "time": time.time(), "networks": [],
+        "usable_gb": 500.0, "max_mtu": 9000, "networks": [],
     }  # fmt: skip
+    sent = time.time() + extra.pop("clock_s", 0.0)  # a clock that far off
     ann.update(extra)
-    msg = {"linkctl_pair": "hello", "ann": ann}
+    msg = {"linkctl_pair": "hello", "sent": sent, "ann": ann}
     if mode == "oversized":
         msg["pad"] = "x" * 6000
     data = b"\x00garbage" if mode == "garbage" else json.dumps(msg).encode()
