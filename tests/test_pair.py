@@ -296,11 +296,11 @@ FAKE = "support.fake_pair_peer"
 
 
 @contextmanager
-def fake_peer(lab: LabHandle, host: str, mode: str, **extra) -> Iterator[None]:
-    """A hostile or odd peer on ``host``'s end of the cable, announcing for 20 s."""
-    h = lab.host(host)
+def fake_peer(lab: LabHandle, where: str, mode: str, extra: dict) -> Iterator[None]:
+    """A hostile or odd peer on ``where``'s end of the cable, announcing for 20 s."""
+    h = lab.host(where)
     proc = subprocess.Popen(
-        ["ip", "netns", "exec", lab.netns(host), sys.executable, "-m", FAKE,
+        ["ip", "netns", "exec", lab.netns(where), sys.executable, "-m", FAKE,
          h["interface"], mode, json.dumps(extra), "20"],
         env={"PYTHONPATH": f"{REPO / 'tests'}:{REPO}", "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
         stderr=subprocess.PIPE,
@@ -329,7 +329,7 @@ def test_a_bad_peer_is_refused_in_one_line_and_nothing_changes(
     lab = make_lab("dgx-mac")
     plug(lab)
     before = ns_snapshot(lab.netns("dgx"))
-    with fake_peer(lab, "mac", mode, **extra):
+    with fake_peer(lab, "mac", mode, extra):
         r = lab.run("dgx", *pair_args(lab, "dgx", tmp_path, "--yes", "--subnet", LAB_SUBNET,
                                        "--window", "15"))  # fmt: skip
     assert r.returncode == 2, r.stderr[-2000:]

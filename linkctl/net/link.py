@@ -224,6 +224,18 @@ def record_path(profile: Profile, host: HostSpec) -> Path:
     return state_dir() / "links" / f"{profile.name}--{host.name}.json"
 
 
+def configured_interfaces() -> dict[str, str]:
+    """Interfaces a setup record says linkctl configured: {interface: profile}."""
+    out = {}
+    for path in sorted((state_dir() / "links").glob("*.json")):
+        try:
+            d = json.loads(path.read_text())
+            out[str(d["interface"])] = str(d["profile"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # unreadable: not proof that linkctl owns the port
+    return out
+
+
 def _load_record(path: Path) -> list[Change]:
     if not path.is_file():
         return []

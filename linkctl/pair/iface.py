@@ -1,5 +1,6 @@
 """Which interface is the cable: carrier up, wired, not the default route's, not WiFi,
-no IPv4 address of another network. The default route's interface and WiFi are never
+no IPv4 address of another network (an address linkctl's setup put there is the
+link's own). The default route's interface and WiFi are never
 used, even when named with --interface."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from typing import Any
 
 from linkctl.core.errors import InputError
 from linkctl.net.backend import Backend
+from linkctl.net.link import configured_interfaces
 from linkctl.net.netstate import LinkFacts
 
 LINK_LOCAL_V4 = ipaddress.IPv4Network("169.254.0.0/16")
@@ -31,7 +33,9 @@ def _global(addresses: tuple[str, ...]) -> list[str]:
     return [a for a in addresses if ipaddress.IPv4Interface(a).ip not in LINK_LOCAL_V4]
 
 
-def _judge(backend: Backend, ifname: str, default_if: str | None, named: bool) -> Candidate:
+def _judge(
+    backend: Backend, ifname: str, default_if: str | None, named: bool, configured: dict[str, str]
+) -> Candidate:
     if ifname == default_if:
         return Candidate(ifname, False, "holds the default route (your way out: never touched)")
     try:
@@ -47,10 +51,12 @@ def _judge(backend: Backend, ifname: str, default_if: str | None, named: bool) -
     if not f.carrier:
         return Candidate(ifname, False, "has no carrier (no cable, or the peer is off)", f)
     taken = _global(f.addresses)
-    if taken and not named:
+    ours = configured.get(ifname)
+    if taken and not named and not ours:
         return Candidate(ifname, False, f"has {', '.join(taken)} (another network's)", f)
     speed = f"{f.speed_mbps} Mb/s" if f.speed_mbps else "speed unknown"
-    return Candidate(ifname, True, f"wired, carrier up, {speed}, MTU up to {f.max_mtu or f.mtu}", f)
+    why = f"wired, carrier up, {speed}, MTU up to {f.max_mtu or f.mtu}"
+    return Candidate(ifname, True, why + (f", set up by linkctl ({ours})" if ours else ""), f)
 
 
 def survey(backend: Backend, interface: str | None = None) -> list[Candidate]:
@@ -58,7 +64,9 @@ def survey(backend: Backend, interface: str | None = None) -> list[Candidate]:
     d = backend.default_route()
     default_if = d.ifname if d else None
     names = [interface] if interface else backend.interfaces()
-    return [_judge(backend, n, default_if, named=bool(interface)) for n in names]
+    # A port linkctl set up (a pair run again) holds the link's own address, not another's.
+    configured = configured_interfaces()
+    return [_judge(backend, n, default_if, bool(interface), configured) for n in names]
 
 
 def choose(backend: Backend, interface: str | None = None) -> LinkFacts:
