@@ -131,6 +131,10 @@ def preflight(
     link.setup(prof, h, backend, dry_run=True)  # setup's own checks: default route, overlap
     bins = find_bins(opts.llama_bin_dir or h.llama_bin_dir, runner)
     bins.need("rpc-server" if h.role == "rpc" else "llama-server")
+    if bins.llama_server:  # calibration reads the device's catalog terms
+        from linkctl.estimate.catalog import get_device, load_catalog
+
+        get_device(load_catalog(), h.device, f"host {h.name}")
     if h.role == "head":
         from linkctl.serve.auth import serve_auth
         from linkctl.serve.run import model_path_check

@@ -92,7 +92,8 @@ def gather(backend: Backend, facts: LinkFacts, opts: PairOptions, runner: Runner
     from linkctl.llama.bins import find_bins, local_rpc_protocol
 
     m = machine_facts(backend.os_name, runner)
-    device = catalog_key(m.accelerator)
+    # No accelerator: llama.cpp runs on the CPU, the catalog's "cpu" terms.
+    device = catalog_key(m.accelerator) if m.accelerator else "cpu"
     usable = m.usable_gb
     if device:  # the share llama.cpp can use (the OS keeps some of unified memory)
         usable = round(usable * float(load_spec()[device]["usable_fraction"]), 1)
@@ -321,9 +322,15 @@ def pair(
     )
     me = announcement(local, wants, __version__)
     say(
-        f"this host: {me.host}, {me.accelerator or me.os} ({me.device or 'not in the catalog'}), "
-        f"{me.usable_gb:g} GiB usable, llama.cpp {me.llama_build or 'not found'}"
+        f"this host: {me.host}, {me.accelerator or 'no accelerator (CPU)'} "
+        f"({me.device or 'not in the catalog'}), {me.usable_gb:g} GiB usable, "
+        f"llama.cpp {me.llama_build or 'not found'}"
     )
+    if me.device is None:
+        say(
+            f"note: {me.accelerator} is not in the device catalog: set hosts.device in the "
+            "profile by hand (linkctl/data/devices.toml), calibration and estimate need it"
+        )
     deadline = time.monotonic() + opts.window_s
     with Channel(facts.ifname, opts.port) as ch:
         ex = Exchange(ch, me, backend, deadline, say)
