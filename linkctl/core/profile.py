@@ -82,7 +82,7 @@ class HostSpec(_Strict):
     @field_validator("interface")
     @classmethod
     def _ifname(cls, v: str) -> str:
-        if not IFNAME_RE.match(v):
+        if not IFNAME_RE.fullmatch(v):
             raise ValueError("not a valid interface name (1-15 of letters, digits, _.:-)")
         return v
 
@@ -98,7 +98,7 @@ class HostSpec(_Strict):
     def _mac(cls, v: str | None) -> str | None:
         if v is not None:
             v = v.lower()
-            if not MAC_RE.match(v):
+            if not MAC_RE.fullmatch(v):
                 raise ValueError("not a MAC address; write it as aa:bb:cc:dd:ee:ff")
         return v
 

@@ -74,7 +74,7 @@ class TransferResult:
 
 
 def check_name(name: str) -> str:
-    if not NAME_RE.match(name) or name.endswith(".part"):
+    if not NAME_RE.fullmatch(name) or name.endswith(".part"):
         raise InputError(
             f"file name {name!r} is not allowed",
             "use letters, digits, '.', '_' and '-' only (no path, no .part)",

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import posixpath
 import queue
 import threading
 import time
@@ -62,6 +63,18 @@ CHAT_PATHS = ("/chat/completions", "/v1/chat/completions")
 # Paths route refuses: slot actions would race its own use of the slots.
 OWNED_PREFIX = "/slots"
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host"}
+
+
+def request_path(raw: str) -> tuple[str, str]:
+    """(the path as the server will see it, what to forward): percent-decoded and
+    normalized ("/%73lots/0", "//slots", "/v1/../slots" are "/slots"), since llama-server's
+    HTTP library decodes the path before routing (cpp-httplib decode_url); the forwarded
+    target is that path re-quoted, with the query as it came."""
+    parts = urllib.parse.urlsplit(raw)
+    path = posixpath.normpath("/" + urllib.parse.unquote(parts.path).lstrip("/"))
+    path = "/" + path.lstrip("/")  # normpath keeps a leading "//"
+    target = urllib.parse.quote(path) + (f"?{parts.query}" if parts.query else "")
+    return path, target
 
 
 @dataclass
@@ -290,8 +303,27 @@ def make_handler(router: Router) -> type[BaseHTTPRequestHandler]:
             n = int(self.headers.get("Content-Length") or 0)
             return self.rfile.read(n) if n else b""
 
+        def _owned(self, path: str) -> bool:
+            """A slot action (route owns the slots) refused with 403; True if refused."""
+            if path != OWNED_PREFIX and not path.startswith(OWNED_PREFIX + "/"):
+                return False
+            self._reply_json(
+                403,
+                {
+                    "error": {
+                        "code": 403,
+                        "type": "linkctl_route",
+                        "message": "route owns the slots; slot actions are not forwarded",
+                    }
+                },
+            )
+            return True
+
         def do_GET(self) -> None:
-            if self.path == "/linkctl/stats":
+            path, target = request_path(self.path)
+            if self._owned(path):
+                return
+            if path == "/linkctl/stats":
                 keys = router.cfg.api_keys
                 auth = self.headers.get("Authorization", "")
                 if keys and auth.removeprefix("Bearer ") not in keys:
@@ -308,36 +340,26 @@ def make_handler(router: Router) -> type[BaseHTTPRequestHandler]:
                     return
                 self._reply_json(200, router.stats())
                 return
-            self._relay("GET", self.path, None, {})
+            self._relay("GET", target, None, {})
 
         def do_POST(self) -> None:
             raw = self._body()
-            path = urllib.parse.urlsplit(self.path).path
-            if path.startswith(OWNED_PREFIX):
-                self._reply_json(
-                    403,
-                    {
-                        "error": {
-                            "code": 403,
-                            "type": "linkctl_route",
-                            "message": "route owns the slots; slot actions are not forwarded",
-                        }
-                    },
-                )
+            path, target = request_path(self.path)
+            if self._owned(path):
                 return
             if path not in GENERATE_PATHS:
-                self._relay("POST", self.path, raw, {})
+                self._relay("POST", target, raw, {})
                 return
             try:
                 body = json.loads(raw or b"{}")
             except ValueError:
                 body = None
             if not isinstance(body, dict):
-                self._relay("POST", self.path, raw, {})  # the decode server says what is wrong
+                self._relay("POST", target, raw, {})  # the decode server says what is wrong
                 return
-            self._generate(path, body)
+            self._generate(path, target, body)
 
-        def _generate(self, path: str, body: dict[str, Any]) -> None:
+        def _generate(self, path: str, target: str, body: dict[str, Any]) -> None:
             hdrs = _client_headers(self)
             o = Outcome(id=uuid.uuid4().hex[:12], path=path)
             with router._lock:
@@ -360,7 +382,7 @@ def make_handler(router: Router) -> type[BaseHTTPRequestHandler]:
                     o.route = "direct"
                 o.stage = "generate"
                 body = body | {"id_slot": k, "cache_prompt": True}
-                self._relay("POST", self.path, json.dumps(body).encode(), o.headers(), hdrs)
+                self._relay("POST", target, json.dumps(body).encode(), o.headers(), hdrs)
             finally:
                 router.pool.put(k)
                 router._done(o)

@@ -108,9 +108,13 @@ _SAFE_ARG = re.compile(r"^[A-Za-z0-9_@+=:,./-]+$")
 def systemd_quote(arg: str) -> str:
     """One argv element for ExecStart= (specifiers and variables escaped)."""
     arg = arg.replace("%", "%%").replace("$", "$$")
-    if _SAFE_ARG.match(arg):
+    if _SAFE_ARG.fullmatch(arg):
         return arg
-    return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    quoted = arg.replace("\\", "\\\\").replace('"', '\\"')
+    # A control character (a newline would end the directive) as a C escape, which
+    # systemd.syntax(7) reads inside quotes.
+    quoted = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in quoted)
+    return f'"{quoted}"'
 
 
 def systemd_cmd(argv: list[str]) -> str:

@@ -177,6 +177,11 @@ BAD = [
     ("unknown-os", _set(["hosts", 0, "os"], "windows"), "hosts[0].os"),
     ("missing-interface", _delete(["hosts", 0, "interface"]), "hosts[0].interface"),
     ("bad-interface-name", _set(["hosts", 0, "interface"], "eth0; rm -rf /"), "hosts[0].interface"),
+    # A trailing newline: `$` in Python's re matches before it; full matches refuse it.
+    ("interface-newline", _set(["hosts", 0, "interface"], "enP7s7\n"), "hosts[0].interface"),
+    ("host-name-newline", _set(["hosts", 0, "name"], "dgx\n"), "hosts[0].name"),
+    ("name-newline", _set(["name"], "dgx-mac\n"), "name"),
+    ("mac-newline", _set(["hosts", 0, "mac"], "aa:bb:cc:dd:ee:ff\n"), "hosts[0].mac"),
     (
         "interface-too-long",
         _set(["hosts", 0, "interface"], "averyverylongifname0"),

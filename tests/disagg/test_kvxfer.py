@@ -100,7 +100,7 @@ def test_agent_refuses_wildcard_other_peers_and_paths(areas, tmp_path):
     ):
         kvxfer.fetch("127.0.0.2", a.port, "kv", "a.kv", tmp_path / "a", source="127.0.0.1")
     with kvxfer.Agent("127.0.0.1", 0, areas, LO) as a:
-        for bad in ("../a.kv", "a/b", ".hidden", "x.part"):
+        for bad in ("../a.kv", "a/b", ".hidden", "x.part", "a.kv\n"):
             with pytest.raises(InputError, match="not allowed"):
                 kvxfer.fetch("127.0.0.1", a.port, "kv", bad, tmp_path / "a")
         with pytest.raises(kvxfer.TransferError, match="no file"):

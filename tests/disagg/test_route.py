@@ -233,6 +233,23 @@ def test_route_disaggregated_equals_decode_alone_stream_and_fallback(make_lab, t
         pre.stop()
 
 
+@pytest.mark.parametrize(
+    "raw, path, target",
+    [
+        ("/slots/0?action=erase", "/slots/0", "/slots/0?action=erase"),
+        ("/%73lots/0?action=save", "/slots/0", "/slots/0?action=save"),  # decoded
+        ("/v1/../slots/1?action=restore", "/slots/1", "/slots/1?action=restore"),
+        ("/./slots", "/slots", "/slots"),
+        ("/v1/chat/completions", "/v1/chat/completions", "/v1/chat/completions"),
+        ("/slotsx", "/slotsx", "/slotsx"),
+    ],
+)
+def test_the_slot_guard_sees_the_path_the_server_will(raw, path, target):
+    from linkctl.disagg.route import request_path
+
+    assert request_path(raw) == (path, target)
+
+
 def test_compare_servers_names_each_difference():
     from linkctl.disagg.pair import compare_servers
 

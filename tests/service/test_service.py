@@ -234,6 +234,10 @@ def test_exec_lines_quote_odd_paths(tmp_path):
     # systemd's own unquoting: shlex for the quotes, then %% -> %.
     argv = [a.replace("%%", "%") for a in shlex.split(line)]
     assert argv[0] == paths.linkctl_bin and argv[argv.index("--profile") + 1] == paths.profile_path
+    # A control character stays inside its quotes as an escape: no directive ends early.
+    from linkctl.service.render import systemd_quote
+
+    assert systemd_quote("a\nb") == '"a\\x0ab"' and "\n" not in systemd_quote("a\nb")
 
 
 # ---- install / uninstall ------------------------------------------------------------------
