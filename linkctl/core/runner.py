@@ -96,12 +96,14 @@ class Runner:
         env: dict[str, str] | None = None,
         new_session: bool = False,
         cgroups: Sequence[str] = (),
+        umask: int = -1,
     ) -> subprocess.Popen:
         """Start a long-running child (a server) and return it; the caller stops it.
 
         argv list only, recorded in ``history`` like ``run``. A missing binary is
         a CommandNotFound, not a traceback. ``cgroups``: cgroup directories the child
-        joins before it runs ``argv`` (a container launcher's own cgroup).
+        joins before it runs ``argv`` (a container launcher's own cgroup). ``umask``: the
+        child's (-1: this process's).
         """
         argv = tuple(str(a) for a in argv)
         self.history.append(argv)
@@ -120,6 +122,7 @@ class Runner:
                 env=env,
                 start_new_session=new_session,
                 preexec_fn=join_cgroups if cgroups else None,
+                umask=umask,
             )
         except FileNotFoundError:
             raise CommandNotFound(argv[0], f"install {argv[0]} or put it on PATH") from None

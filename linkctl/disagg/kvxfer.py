@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from linkctl.core.errors import InputError
 from linkctl.disagg.fingerprint import ModelFingerprint, fingerprint
@@ -71,6 +71,15 @@ class TransferResult:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self) | {"gbps": round(self.gbps, 3)}
+
+
+def _private(path: Path, append: bool = False) -> BinaryIO:
+    """``path`` for writing, 0600 whatever the umask (a slot file holds a user's prompt;
+    only this host's serve reads it back): truncated, or kept to resume (``append``)."""
+    flags = os.O_RDWR | os.O_CREAT | (0 if append else os.O_TRUNC)
+    fd = os.open(path, flags, 0o600)
+    os.fchmod(fd, 0o600)  # a partial file from before keeps its mode otherwise
+    return os.fdopen(fd, "r+b")
 
 
 def check_name(name: str) -> str:
@@ -199,7 +208,7 @@ class _Handler(socketserver.StreamRequestHandler):
             raise InputError(f"offset {offset} does not match the partial file ({have} bytes)")
         h = _sha_of(part, offset) if offset else hashlib.sha256()
         _send(self.connection, {"ok": True})
-        with open(part, "r+b" if offset else "wb") as f:
+        with _private(part, append=bool(offset)) as f:
             f.seek(offset)
             f.truncate()
             left = size - offset
@@ -329,7 +338,7 @@ def fetch(
             head = _request(s, f, {"op": "get", "area": area, "name": name, "delete": delete})
             size = int(head["size"])
             h = hashlib.sha256()
-            with open(part, "wb") as out:
+            with _private(part) as out:
                 left = size
                 while left > 0:
                     b = f.read1(min(CHUNK, left))

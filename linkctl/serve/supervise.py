@@ -124,6 +124,9 @@ class Supervisor:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             new_session=True,  # a terminal's ^C reaches the supervisor, which forwards it
+            # What a server writes (llama-server's slot files: users' prompts, the RPC
+            # tensor cache) is its own: 0600, read back only by this same unit.
+            umask=0o077,
         )
         assert proc.stdout is not None
         threading.Thread(target=self._pump, args=(proc.stdout,), daemon=True).start()

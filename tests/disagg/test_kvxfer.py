@@ -41,6 +41,7 @@ def test_fetch_checksummed_and_deleted(areas, tmp_path):
             progress=lambda done, total: seen.append((done, total)),
         )
     assert (tmp_path / "got.kv").read_bytes() == data
+    assert (tmp_path / "got.kv").stat().st_mode & 0o777 == 0o600  # a user's prompt
     assert res.sha256 == hashlib.sha256(data).hexdigest() and res.bytes == len(data)
     assert not (areas["kv"] / "slot.kv").exists()
     assert seen[-1] == (len(data), len(data))
@@ -52,10 +53,12 @@ def test_put_resumes_a_matching_partial_and_restarts_a_foreign_one(areas, tmp_pa
     src.write_bytes(data)
     part = areas["models"] / "m.gguf.part"
     part.write_bytes(data[:1000])
+    part.chmod(0o644)  # written before: its mode is made private as it resumes
     with kvxfer.Agent("127.0.0.1", 0, areas, LO) as a:
         res = kvxfer.put("127.0.0.1", a.port, "models", src)
         assert res.resumed_from == 1000 and res.bytes == len(data) - 1000
         assert (areas["models"] / "m.gguf").read_bytes() == data and not part.exists()
+        assert (areas["models"] / "m.gguf").stat().st_mode & 0o777 == 0o600
         # A partial that is not a prefix of this file: start over, still correct.
         (areas["models"] / "m.gguf").unlink()
         part.write_bytes(b"x" * 5000)

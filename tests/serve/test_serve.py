@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -384,6 +385,23 @@ def test_supervisor_restarts_with_backoff_then_gives_up(tmp_path):
         assert line[:4].isdigit() and line[10] == "T", line
     st = json.loads((tmp_path / "status.json").read_text())
     assert [e["event"] for e in st["events"]].count("start") == 4
+
+
+def test_what_a_supervised_server_writes_is_private(tmp_path):
+    """llama-server writes slot files (a user's prompt) with its own umask: the
+    supervisor gives it 077, whatever the caller's."""
+    made = tmp_path / "slot.bin"
+    sup, _ = _sup(
+        [sys.executable, "-c", f"open({str(made)!r}, 'w').write('x'); raise SystemExit(3)"],
+        tmp_path,
+        max_starts=1,
+    )
+    old = os.umask(0o022)
+    try:
+        sup.run(install_signals=False)
+    finally:
+        os.umask(old)
+    assert made.stat().st_mode & 0o777 == 0o600
 
 
 def test_supervisor_ready_health_restart_and_stop(tmp_path):
