@@ -97,21 +97,28 @@ class Runner:
         new_session: bool = False,
         cgroups: Sequence[str] = (),
         umask: int = -1,
+        die_with_parent: bool = False,
     ) -> subprocess.Popen:
         """Start a long-running child (a server) and return it; the caller stops it.
 
         argv list only, recorded in ``history`` like ``run``. A missing binary is
         a CommandNotFound, not a traceback. ``cgroups``: cgroup directories the child
         joins before it runs ``argv`` (a container launcher's own cgroup). ``umask``: the
-        child's (-1: this process's).
+        child's (-1: this process's). ``die_with_parent``: on Linux the child gets SIGKILL
+        when the thread that started it dies, even by SIGKILL (prctl PR_SET_PDEATHSIG),
+        so a killed supervisor leaves no server holding its port.
         """
         argv = tuple(str(a) for a in argv)
         self.history.append(argv)
 
-        def join_cgroups() -> None:
+        arm = _pdeathsig() if die_with_parent else None
+
+        def before_exec() -> None:
             for d in cgroups:
                 with open(f"{d}/cgroup.procs", "w") as f:
                     f.write("0")  # 0: the writing process itself
+            if arm is not None:
+                arm()
 
         try:
             return subprocess.Popen(
@@ -121,11 +128,30 @@ class Runner:
                 stderr=stderr,
                 env=env,
                 start_new_session=new_session,
-                preexec_fn=join_cgroups if cgroups else None,
+                preexec_fn=before_exec if cgroups or arm else None,
                 umask=umask,
             )
         except FileNotFoundError:
             raise CommandNotFound(argv[0], f"install {argv[0]} or put it on PATH") from None
+
+
+def _pdeathsig() -> Callable[[], None] | None:
+    """What a forked child calls to get SIGKILL when its parent goes (Linux prctl(2)
+    PR_SET_PDEATHSIG, option 1; if the parent went already, it dies now). Made in the
+    parent: nothing is imported after fork. None where there is no such call (macOS)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(1, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return arm
 
 
 def foreground(argv: Sequence[str], *, env: dict[str, str] | None = None) -> int:

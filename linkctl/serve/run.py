@@ -264,15 +264,43 @@ def run_head(
     return sup.run()
 
 
-def llama_server_child(inv: ServerInvocation, **more: Any) -> ChildSpec:
+def port_held(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be ours: another process listens there (an orphan
+    server a killed supervisor left, or anything else), else None."""
+    import errno
+    import socket
+
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is not "held"
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                return None  # not ours to judge (the address comes and goes): start says
+            return (
+                f"{host}:{port} is held by another process (not started by this serve): "
+                f"stop it (ss -ltnp 'sport = :{port}')"
+            )
+    return None
+
+
+def llama_server_child(
+    inv: ServerInvocation, before_start: Callable[[], str | None] | None = None, **more: Any
+) -> ChildSpec:
     """A supervised llama-server, ready once /health answers 200 (the model loaded:
-    up to 300 s for a large one)."""
+    up to 300 s for a large one). Before every start its port must be free: a server
+    this supervisor did not start never answers for it."""
     server = LlamaServer.serving(inv)
+
+    def can_start() -> str | None:
+        return port_held(inv.host, inv.port) or (before_start() if before_start else None)
+
     return ChildSpec(
         "llama-server",
         inv.argv(),
         ready=lambda: server.healthy(timeout=1.0),
         ready_timeout=300,
+        before_start=can_start,
         **more,
     )
 

@@ -127,6 +127,7 @@ class Supervisor:
             # What a server writes (llama-server's slot files: users' prompts, the RPC
             # tensor cache) is its own: 0600, read back only by this same unit.
             umask=0o077,
+            die_with_parent=True,  # a SIGKILLed supervisor leaves no orphan on the port
         )
         assert proc.stdout is not None
         threading.Thread(target=self._pump, args=(proc.stdout,), daemon=True).start()

@@ -404,6 +404,60 @@ def test_what_a_supervised_server_writes_is_private(tmp_path):
     assert made.stat().st_mode & 0o777 == 0o600
 
 
+def test_a_killed_supervisor_leaves_no_orphan(tmp_path):
+    """SIGKILL the process that supervises a server: the server dies with it (nothing
+    keeps holding the port for a restarted supervisor to mistake for its own)."""
+    pidfile = tmp_path / "child.pid"
+    script = (
+        "import subprocess, sys, time\n"
+        "from linkctl.core.runner import Runner\n"
+        "p = Runner().spawn([sys.executable, '-c', 'import time; time.sleep(120)'],"
+        " die_with_parent=True)\n"
+        f"open({str(pidfile)!r}, 'w').write(str(p.pid))\n"
+        "time.sleep(120)\n"
+    )
+    sup = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 30
+        while not pidfile.exists() or not pidfile.read_text():
+            assert time.monotonic() < deadline, "the child never started"
+            time.sleep(0.05)
+        child = int(pidfile.read_text())
+        os.kill(child, 0)  # alive while its parent is
+        sup.kill()
+        sup.wait()
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                os.kill(child, 0)
+            except ProcessLookupError:
+                break
+            # A zombie until reaped by init counts as gone: it holds no port.
+            if Path(f"/proc/{child}/stat").read_text().split()[2] == "Z":
+                break
+            assert time.monotonic() < deadline, "the server outlived its supervisor"
+            time.sleep(0.05)
+    finally:
+        sup.kill()
+
+
+def test_a_server_on_its_port_that_it_did_not_start_is_not_adopted():
+    import socket
+
+    from linkctl.llama.invocation import ServerInvocation
+    from linkctl.serve.run import llama_server_child
+
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        spec = llama_server_child(ServerInvocation("llama-server", "m.gguf", port=port))
+        assert spec.before_start is not None
+        why = spec.before_start()
+        assert why and f"127.0.0.1:{port} is held by another process" in why
+    assert spec.before_start() is None  # free again: it may start
+
+
 def test_supervisor_ready_health_restart_and_stop(tmp_path):
     flag = tmp_path / "ready"
     script = f"import pathlib,time; pathlib.Path({str(flag)!r}).write_text('1'); time.sleep(60)"
