@@ -282,6 +282,9 @@ def render_launchd(profile: Profile, host: HostSpec, paths: ServicePaths) -> dic
             "keep_alive": keep_alive,
             "throttle": str(throttle),
             "process_type": ptype,
+            # launchd's Umask is decimal: 63 = 077 (serve, responder: their files are
+            # their own), 18 = 022 (link, probe: reports every user reads).
+            "umask": "63" if job in ("serve", "responder") else "18",
             "log_path": f"{LAUNCHD_LOG_DIR}/linkctl-{job}.log",
         }
         out[f"{launchd_dir(paths)}/{label(job)}.plist"] = fill(

@@ -211,6 +211,43 @@ def test_systemd_units_say_what_the_issue_asks(tmp_path):
         assert "linkctl-link.service" not in " ".join(resp.get("Unit.After", []))
 
 
+# systemd-analyze security's exposure (0 best, 10 worst) each unit may reach: 2.0 where
+# the role allows it; the link unit is root with CAP_NET_ADMIN/CAP_NET_RAW on the host's
+# network, AF_PACKET for ARP and umask 022 for the reports users read.
+EXPOSURE_MAX = {"linkctl-serve.service": 2.0, "linkctl-responder.service": 2.0,
+                "linkctl-link.service": 2.5}  # fmt: skip
+
+
+@pytest.mark.parametrize("role", ["rpc", "head"])
+def test_units_are_hardened(tmp_path, role):
+    """Each rendered unit scored by systemd-analyze security (offline): printed, and
+    held to EXPOSURE_MAX. The head is the Mac's place played by a Linux host."""
+    need_tool("systemd-analyze")
+    prof, _ = load_profile("dgx-mac")
+    d = prof.to_toml_dict()
+    d["hosts"][1].update(os="linux", interface="enp1s0")
+    prof = parse_profile(d)
+    host = prof.head if role == "head" else prof.rpc_hosts[0]
+    paths = svc.ServicePaths(
+        linkctl_bin="/opt/linkctl/bin/linkctl", llama_bin_dir=LLAMA,
+        profile_path="/etc/linkctl/profiles/dgx-mac.toml",
+    )  # fmt: skip
+    for path, text in svc.render(prof, host, paths).items():
+        name = Path(path).name
+        if name not in EXPOSURE_MAX:
+            continue
+        f = tmp_path / name
+        f.write_text(text)
+        r = subprocess.run(
+            ["systemd-analyze", "security", "--offline=yes", str(f)],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        line = r.stdout.strip().splitlines()[-1]
+        score = float(line.split("level for")[1].split(":")[1].split()[0])
+        print(f"{role} {name}: exposure {score} (at most {EXPOSURE_MAX[name]})")
+        assert score <= EXPOSURE_MAX[name], (name, r.stdout[-3000:])
+
+
 def test_device_unit_escaping_matches_systemd():
     for ifname in ("enP7s7", "en0", "en-p1.2:x_y", "eth0@x"):
         want = subprocess.run(
