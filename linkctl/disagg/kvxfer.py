@@ -27,6 +27,7 @@ client hashes as it receives and keeps the file only when both agree.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import ipaddress
 import json
@@ -36,7 +37,7 @@ import socket
 import socketserver
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -46,6 +47,7 @@ from linkctl.disagg.fingerprint import ModelFingerprint, fingerprint
 from linkctl.llama.invocation import KvLayout
 
 CHUNK = 4 * 1024 * 1024
+PART_KEEP_S = 24 * 3600  # a partial copy not resumed within this is removed
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 DEFAULT_PORT = 50053
 
@@ -185,7 +187,8 @@ class _Handler(socketserver.StreamRequestHandler):
         except FileNotFoundError:
             raise InputError(f"no file {path.name} in {path.parent}") from None
         with f:
-            size = os.fstat(f.fileno()).st_size
+            before = os.fstat(f.fileno())
+            size = before.st_size
             _send(self.connection, {"ok": True, "size": size})
             h = hashlib.sha256()
             left = size
@@ -196,12 +199,21 @@ class _Handler(socketserver.StreamRequestHandler):
                 h.update(b)
                 self.connection.sendall(b)
                 left -= len(b)
+            after = os.fstat(f.fileno())
+        if (after.st_size, after.st_mtime_ns) != (size, before.st_mtime_ns):
+            # Rewritten while it was read: the bytes sent are neither version. The
+            # receiver gets no checksum line and keeps nothing.
+            raise InputError(f"{path.name} changed while it was sent; run the copy again")
         _send(self.connection, {"sha256": h.hexdigest()})
         if delete:
             path.unlink(missing_ok=True)
         self.server.log(f"sent {path.name}: {size} bytes")
 
     def _put(self, path: Path, size: int, offset: int) -> None:
+        with self.server.writing(path):
+            self._put_one(path, size, offset)
+
+    def _put_one(self, path: Path, size: int, offset: int) -> None:
         part = path.with_name(path.name + ".part")
         have = part.stat().st_size if part.exists() else 0
         if offset not in (0, have) or offset > size:
@@ -212,20 +224,34 @@ class _Handler(socketserver.StreamRequestHandler):
             f.seek(offset)
             f.truncate()
             left = size - offset
-            while left > 0:
-                b = self.rfile.read(min(CHUNK, left))
-                if not b:
-                    raise InputError(f"peer closed after {size - left} of {size} bytes")
-                h.update(b)
-                f.write(b)
-                left -= len(b)
-            f.flush()
-            os.fsync(f.fileno())
+            try:
+                while left > 0:
+                    b = self.rfile.read(min(CHUNK, left))
+                    if not b:
+                        raise InputError(f"peer closed after {size - left} of {size} bytes")
+                    h.update(b)
+                    f.write(b)
+                    left -= len(b)
+                f.flush()
+                os.fsync(f.fileno())
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                part.unlink(missing_ok=True)  # its space back; a resume could not finish
+                raise InputError(
+                    f"no space left in {path.parent} for {path.name} ({size} bytes)",
+                    "free space on this host, then run the copy again",
+                ) from None
         want = _line(self.rfile).get("sha256")
         got = h.hexdigest()
-        if want != got:
+        # The checksum of the bytes on disk, read back: what the stream carried is not
+        # proof of what was stored.
+        stored = _sha_of(part).hexdigest()
+        if not want == got == stored:
             part.unlink(missing_ok=True)
-            raise InputError(f"checksum mismatch for {path.name}: sent {want}, received {got}")
+            raise InputError(
+                f"checksum mismatch for {path.name}: sent {want}, received {got}, stored {stored}"
+            )
         part.replace(path)
         _send(self.connection, {"ok": True, "sha256": got})
         self.server.log(f"received {path.name}: {size} bytes (from offset {offset})")
@@ -246,7 +272,25 @@ class _Server(socketserver.ThreadingTCPServer):
     ):
         self.areas, self.allowed, self.log, self.model = areas, allowed, log, model
         self.kv = kv
+        self._writing: set[Path] = set()
+        self._writing_lock = threading.Lock()
         super().__init__(addr, _Handler)
+
+    @contextlib.contextmanager
+    def writing(self, path: Path) -> Iterator[None]:
+        """One put per name at a time: a second one is refused, not interleaved."""
+        with self._writing_lock:
+            if path in self._writing:
+                raise InputError(
+                    f"{path.name} is being written by another copy",
+                    "wait for it to finish, then run this one again",
+                )
+            self._writing.add(path)
+        try:
+            yield
+        finally:
+            with self._writing_lock:
+                self._writing.discard(path)
 
 
 class Agent:
@@ -278,8 +322,19 @@ class Agent:
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     def start(self) -> Agent:
+        self._sweep_parts()
         self._thread.start()
         return self
+
+    def _sweep_parts(self) -> None:
+        """Partial files older than PART_KEEP_S: a copy that was never resumed."""
+        cutoff = time.time() - PART_KEEP_S
+        for area in self.server.areas.values():
+            for part in area.glob("*.part"):
+                with contextlib.suppress(OSError):
+                    if part.stat().st_mtime < cutoff:
+                        part.unlink()
+                        self.server.log(f"removed {part.name}: not resumed within a day")
 
     def stop(self) -> None:
         self.server.shutdown()
@@ -349,7 +404,10 @@ def fetch(
                     left -= len(b)
                     if progress:
                         progress(size - left, size)
-            want = _line(f).get("sha256")
+            tail = _line(f)
+        if tail.get("ok") is False:  # the agent's own refusal, after the bytes
+            raise TransferError(f"kv-agent {host}:{port}: {tail.get('error')}")
+        want = tail.get("sha256")
         got = h.hexdigest()
         if want != got:
             raise TransferError(f"checksum mismatch for {name}: agent sent {want}, received {got}")

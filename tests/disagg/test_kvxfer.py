@@ -8,6 +8,7 @@ import json
 import os
 import socket
 import threading
+import time
 
 import pytest
 
@@ -133,3 +134,66 @@ def test_agent_reports_the_kv_layout_its_server_runs(areas, tmp_path):
     with kvxfer.Agent("127.0.0.1", 0, areas, LO, model=str(model), kv=layout) as a:
         got = kvxfer.remote_model("127.0.0.1", a.port)
     assert got == fingerprint(model, layout) and got.size == 4
+
+
+def test_two_puts_to_one_name_never_mix(areas, tmp_path):
+    """A second put to a name being written is refused; the file is the first's, whole."""
+    first, second = tmp_path / "one.gguf", tmp_path / "two.gguf"
+    first.write_bytes(os.urandom(3 * kvxfer.CHUNK))
+    second.write_bytes(os.urandom(3 * kvxfer.CHUNK))
+    halfway, go = threading.Event(), threading.Event()
+    errors: list[Exception] = []
+
+    def slow(done: int, total: int) -> None:
+        if done >= kvxfer.CHUNK and not halfway.is_set():
+            halfway.set()
+            go.wait(30)
+
+    with kvxfer.Agent("127.0.0.1", 0, areas, LO) as a:
+
+        def put_first() -> None:
+            try:
+                kvxfer.put("127.0.0.1", a.port, "models", first, name="m.gguf", progress=slow)
+            except Exception as e:  # the test reads it below
+                errors.append(e)
+
+        t = threading.Thread(target=put_first)
+        t.start()
+        assert halfway.wait(30)
+        with pytest.raises((InputError, kvxfer.TransferError), match="being written by another"):
+            kvxfer.put("127.0.0.1", a.port, "models", second, name="m.gguf")
+        go.set()
+        t.join(60)
+    assert errors == []
+    assert (areas["models"] / "m.gguf").read_bytes() == first.read_bytes()
+
+
+def test_a_file_rewritten_while_it_is_sent_is_not_kept(areas, tmp_path):
+    src = areas["models"] / "m.gguf"
+    src.write_bytes(os.urandom(8 * kvxfer.CHUNK))
+    rewritten = threading.Event()
+
+    def rewrite(done: int, total: int) -> None:
+        if not rewritten.is_set():
+            rewritten.set()
+            with open(src, "r+b") as f:  # the same size, other bytes: a new version
+                f.write(os.urandom(kvxfer.CHUNK))
+
+    with (
+        kvxfer.Agent("127.0.0.1", 0, areas, LO) as a,
+        pytest.raises(kvxfer.TransferError, match="changed while it was sent"),
+    ):
+        kvxfer.fetch("127.0.0.1", a.port, "models", "m.gguf", tmp_path / "m", progress=rewrite)
+    assert rewritten.is_set()
+    assert not (tmp_path / "m").exists() and not (tmp_path / "m.part").exists()
+
+
+def test_partial_files_not_resumed_within_a_day_are_removed(areas):
+    old, fresh = areas["kv"] / "old.kv.part", areas["kv"] / "fresh.kv.part"
+    for p in (old, fresh):
+        p.write_bytes(b"x")
+    day_ago = time.time() - kvxfer.PART_KEEP_S - 60
+    os.utime(old, (day_ago, day_ago))
+    with kvxfer.Agent("127.0.0.1", 0, areas, LO):
+        pass
+    assert not old.exists() and fresh.exists()
