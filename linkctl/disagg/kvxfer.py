@@ -139,6 +139,8 @@ def _send(sock: socket.socket, msg: dict[str, Any]) -> None:
 
 class _Handler(socketserver.StreamRequestHandler):
     server: _Server
+    # A peer silent this long mid-request is dropped, freeing its thread and descriptor.
+    timeout = 120.0
 
     def handle(self) -> None:
         peer = ipaddress.IPv4Address(self.client_address[0])

@@ -62,7 +62,30 @@ GENERATE_PATHS = (
 CHAT_PATHS = ("/chat/completions", "/v1/chat/completions")
 # Paths route refuses: slot actions would race its own use of the slots.
 OWNED_PREFIX = "/slots"
+MAX_BODY_BYTES = 8 * 1024 * 1024  # ~4 bytes a token: far past any context llama.cpp takes
+CLIENT_IDLE_S = 120.0
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host"}
+
+
+def body_length(headers: Any) -> tuple[int, str | None]:
+    """(bytes to read, None), or (HTTP status, why) for a body route will not read."""
+    if headers.get("Transfer-Encoding"):
+        return 411, "chunked bodies are not accepted: send Content-Length"
+    raw = headers.get("Content-Length")
+    if raw is None:
+        return 0, None
+    try:
+        n = int(raw)
+    except ValueError:
+        n = -1
+    if n < 0:
+        return 400, f"Content-Length {str(raw)[:32]!r} is not a byte count"
+    if n > MAX_BODY_BYTES:
+        return 413, (
+            f"request body of {n} bytes is over route's {MAX_BODY_BYTES} "
+            "(some two million tokens of text)"
+        )
+    return n, None
 
 
 def request_path(raw: str) -> tuple[str, str]:
@@ -284,6 +307,9 @@ def _client_headers(handler: BaseHTTPRequestHandler) -> dict[str, str]:
 def make_handler(router: Router) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        # A client that sends nothing, or reads nothing, for this long is dropped (the
+        # socket's timeout: socketserver.StreamRequestHandler), freeing its thread.
+        timeout = CLIENT_IDLE_S
         server_version = "linkctl-route"
 
         def log_message(self, format: str, *args: Any) -> None:
@@ -299,8 +325,15 @@ def make_handler(router: Router) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(raw)
 
-        def _body(self) -> bytes:
-            n = int(self.headers.get("Content-Length") or 0)
+        def _body(self) -> bytes | None:
+            """The request body, or None after a 4xx reply: a body route cannot bound
+            (chunked, no or a lying Content-Length, past MAX_BODY_BYTES) is refused
+            before a byte of it is read, and the connection is closed."""
+            n, why = body_length(self.headers)
+            if why is not None:
+                self.close_connection = True
+                self._reply_json(n, {"error": {"code": n, "type": "linkctl_route", "message": why}})
+                return None
             return self.rfile.read(n) if n else b""
 
         def _owned(self, path: str) -> bool:
@@ -344,6 +377,8 @@ def make_handler(router: Router) -> type[BaseHTTPRequestHandler]:
 
         def do_POST(self) -> None:
             raw = self._body()
+            if raw is None:
+                return
             path, target = request_path(self.path)
             if self._owned(path):
                 return
