@@ -6,8 +6,9 @@ The answers stand in for what the OS and the peer said (a fake backend whose run
 answers ping and iperf3 with their real output formats, ARP, the responder's banner
 and echo times, psutil's counters, the rpc-server's HELLO); every step, check and figure in
 between is the probe's own code. tests/fixtures/probe/ holds the texts the builder
-wrote before its parts became typed (commit 5e3fbb1); ``python tests/probe_golden.py
-DIR`` writes them again.
+wrote before its parts became typed (commit 5e3fbb1); ``PYTHONPATH=tests python -m
+support.probe_golden DIR`` writes them again. LinkFacts.kind, added since, was put into
+each nic block by hand ("wired"), the rest left as the builder wrote it then.
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ def _facts(host) -> LinkFacts:
         max_mtu=9216,
         owner="networkmanager",
         owner_detail="linkctl-en0",
+        kind="wired",
     )
 
 
