@@ -52,6 +52,7 @@ def register(app: typer.Typer) -> None:
             str | None,
             typer.Option(
                 "--model",
+                "-m",
                 help="serve.model: the GGUF's absolute path on the head (on one host or "
                 "the same on both).",
                 show_default=False,
