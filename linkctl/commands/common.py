@@ -30,6 +30,16 @@ HostOpt = Annotated[
         "--host", help="Which profile host this machine is (default: detected).", show_default=False
     ),
 ]
+LlamaBinDirOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--llama-bin-dir",
+        metavar="DIR",
+        help="Directory of this host's llama-server / ggml-rpc-server (default: the profile "
+        "host's llama_bin_dir, PATH, then linkctl's build cache).",
+        show_default=False,
+    ),
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan; change nothing.")]
 CalibrationOpt = Annotated[

@@ -7,7 +7,15 @@ from typing import Annotated
 
 import typer
 
-from linkctl.commands.common import CalibrationOpt, HostOpt, JsonOpt, ProfileOpt, emit_json, load
+from linkctl.commands.common import (
+    CalibrationOpt,
+    HostOpt,
+    JsonOpt,
+    LlamaBinDirOpt,
+    ProfileOpt,
+    emit_json,
+    load,
+)
 
 ModelOpt = Annotated[
     Path,
@@ -190,14 +198,7 @@ def register(app: typer.Typer) -> None:
                 "model through a ggml-rpc-server on 127.0.0.1.",
             ),
         ] = False,
-        bin_dir: Annotated[
-            str | None,
-            typer.Option(
-                "--llama-bin-dir",
-                help="Directory with llama-server/ggml-rpc-server.",
-                show_default=False,
-            ),
-        ] = None,
+        bin_dir: LlamaBinDirOpt = None,
         dry_run: Annotated[
             bool,
             typer.Option(

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from linkctl.commands.common import DryRunOpt, HostOpt, JsonOpt, ProfileOpt
+from linkctl.commands.common import DryRunOpt, HostOpt, JsonOpt, LlamaBinDirOpt, ProfileOpt
 from linkctl.core.output import console, print_json
 
 
@@ -64,14 +64,7 @@ def register(app: typer.Typer) -> None:
                 "(a large model takes minutes to load).",
             ),
         ] = 300.0,
-        llama_bin_dir: Annotated[
-            str | None,
-            typer.Option(
-                "--llama-bin-dir",
-                help="Directory of ggml-rpc-server / llama-server (default: what serve finds now).",
-                show_default=False,
-            ),
-        ] = None,
+        llama_bin_dir: LlamaBinDirOpt = None,
         dry_run: DryRunOpt = False,
         json_: JsonOpt = False,
     ) -> None:

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from linkctl.commands.common import DryRunOpt, JsonOpt
+from linkctl.commands.common import DryRunOpt, JsonOpt, LlamaBinDirOpt
 from linkctl.core.output import console, print_json
 
 
@@ -93,14 +93,7 @@ def register(app: typer.Typer) -> None:
             bool,
             typer.Option("--no-setup", help="Write the profile only: no setup, no probe."),
         ] = False,
-        llama_bin_dir: Annotated[
-            str | None,
-            typer.Option(
-                "--llama-bin-dir",
-                help="Directory of this host's llama.cpp binaries (default: PATH, the cache).",
-                show_default=False,
-            ),
-        ] = None,
+        llama_bin_dir: LlamaBinDirOpt = None,
         dry_run: DryRunOpt = False,
         json_: JsonOpt = False,
     ) -> None:

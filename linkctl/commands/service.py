@@ -8,7 +8,14 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from linkctl.commands.common import DryRunOpt, HostOpt, JsonOpt, ProfileOpt, emit_json
+from linkctl.commands.common import (
+    DryRunOpt,
+    HostOpt,
+    JsonOpt,
+    LlamaBinDirOpt,
+    ProfileOpt,
+    emit_json,
+)
 from linkctl.core.checks import Verdict
 from linkctl.core.output import console, error_line, print_json, verdict
 
@@ -100,14 +107,7 @@ def service_install(
             show_default=False,
         ),
     ] = None,
-    llama_bin_dir: Annotated[
-        str | None,
-        typer.Option(
-            "--llama-bin-dir",
-            help="Directory of ggml-rpc-server / llama-server (default: what serve finds now).",
-            show_default=False,
-        ),
-    ] = None,
+    llama_bin_dir: LlamaBinDirOpt = None,
     serve_user: Annotated[
         str | None,
         typer.Option(
