@@ -19,7 +19,8 @@ MAX_BYTES = 4096  # one announcement; a datagram longer than this is refused
 MAX_NETWORKS = 64
 
 # Printable only: a peer's strings reach screens and logs (no control characters).
-Short = Annotated[str, Field(max_length=64, pattern=r"^[^\x00-\x1f\x7f]*$")]
+PRINTABLE = r"^[^\x00-\x1f\x7f]*$"
+Short = Annotated[str, Field(max_length=64, pattern=PRINTABLE)]
 
 
 class Wants(BaseModel):
@@ -29,7 +30,7 @@ class Wants(BaseModel):
     name: Short | None = None
     subnet: Short | None = None
     head: Short | None = None
-    model: Annotated[str, Field(max_length=512, pattern=r"^[^\x00-\x1f\x7f]*$")] | None = None
+    model: Annotated[str, Field(max_length=512, pattern=PRINTABLE)] | None = None
     # How far this run goes: both hosts must go as far (a peer that probes needs this
     # host's responder).
     dry_run: bool = False
@@ -50,7 +51,7 @@ class Announcement(BaseModel):
     device: Short | None = None  # the device catalog's key, when it knows the accelerator
     memory_gb: float = Field(gt=0, le=65536)
     usable_gb: float = Field(gt=0, le=65536)
-    llama_build: Annotated[str, Field(max_length=128, pattern=r"^[^\x00-\x1f\x7f]*$")] | None = None
+    llama_build: Annotated[str, Field(max_length=128, pattern=PRINTABLE)] | None = None
     rpc_protocol: Annotated[list[Annotated[int, Field(ge=0, le=1000)]], Field(max_length=3)] = []
     max_mtu: int = Field(ge=1280, le=65535)
     speed_mbps: int | None = Field(default=None, gt=0, le=10_000_000)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,12 +72,13 @@ class PairResult:
 # ---- this host -----------------------------------------------------------------------
 
 
-def catalog_key(accelerator: str) -> str | None:
+def catalog_key(accelerator: str, keys: Iterable[str] | None = None) -> str | None:
     """The device catalog's key for a vendor name ("Apple M2 Ultra" -> m2-ultra,
-    "NVIDIA GB10" -> gb10), or None when the catalog has no such device."""
+    "NVIDIA GB10" -> gb10), or None when the catalog (``keys``: default, read) has no
+    such device."""
     from linkctl.estimate.catalog import load_spec
 
-    keys = set(load_spec())
+    keys = set(load_spec() if keys is None else keys)
     words = [w for w in accelerator.lower().split() if w not in ("apple", "nvidia", "geforce")]
     for n in range(len(words), 0, -1):
         for joiner in ("-", ""):
@@ -92,11 +93,12 @@ def gather(backend: Backend, facts: LinkFacts, opts: PairOptions, runner: Runner
     from linkctl.llama.bins import find_bins, local_rpc_protocol
 
     m = machine_facts(backend.os_name, runner)
+    spec = load_spec()
     # No accelerator: llama.cpp runs on the CPU, the catalog's "cpu" terms.
-    device = catalog_key(m.accelerator) if m.accelerator else "cpu"
+    device = catalog_key(m.accelerator, spec) if m.accelerator else "cpu"
     usable = m.usable_gb
     if device:  # the share llama.cpp can use (the OS keeps some of unified memory)
-        usable = round(usable * float(load_spec()[device]["usable_fraction"]), 1)
+        usable = round(usable * float(spec[device]["usable_fraction"]), 1)
     bins = find_bins(opts.llama_bin_dir, runner)
     proto: tuple[int, ...] = ()
     if bins.rpc_server:
