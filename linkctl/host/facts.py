@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -20,6 +19,3 @@ class MachineFacts:
     def usable_gb(self) -> float:
         """Memory the accelerator can hold weights in: its own, else the system's."""
         return self.accelerator_memory_gb or self.memory_gb
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass
-from typing import Any
 
 from linkctl.core.errors import InputError
 from linkctl.net.backend import Backend
@@ -24,9 +23,6 @@ class Candidate:
     why: str  # what makes it the cable, or what rules it out
     facts: LinkFacts | None = None
     error: InputError | None = None  # the backend's, when it has no such port
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"interface": self.ifname, "usable": self.usable, "why": self.why}
 
 
 def _global(addresses: tuple[str, ...]) -> list[str]:
