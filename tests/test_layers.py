@@ -6,8 +6,9 @@ own package and the packages of the layers below, never a layer above nor a sibl
 package of its own layer:
 
     core                      errors, runner, paths, profile, records, log, output
-    net, gguf, host           the link (netlink, NetworkManager, networksetup); GGUF headers;
-                              this machine's accelerator and memory
+    net, gguf, host, trust    the link (netlink, NetworkManager, networksetup); GGUF headers;
+                              this machine's accelerator and memory; the pair secret and
+                              the authenticated channel
     llama                     llama.cpp binaries, RPC client, invocation, HTTP client
     probe, estimate           measure the link; predict a model's speed
     calibrate, serve, pair    measure a host; run and verify the pair; pair two hosts
@@ -33,7 +34,7 @@ from support.paths import REPO
 PKG = REPO / "linkctl"
 LAYERS: list[set[str]] = [
     {"core", "__init__"},
-    {"net", "gguf", "host"},
+    {"net", "gguf", "host", "trust"},
     {"llama"},
     {"probe", "estimate"},
     {"calibrate", "serve", "pair"},

@@ -106,7 +106,9 @@ def register(app: typer.Typer) -> None:
             return
         say = speaker("route")
         local_fp = fingerprint(model or prof.serve.model, disagg.kv_layout(prof))
-        remote_fp = kvxfer.remote_model(cfg.agent_host or "", cfg.agent_port, source=cfg.source)
+        remote_fp = kvxfer.remote_model(
+            cfg.agent_host or "", cfg.agent_port, secret=cfg.secret, source=cfg.source
+        )
         check_pair(cfg, (local_fp, remote_fp), wait_s=wait, say=say)
         private_dir(cfg.decode_slot_dir)
         server = rt.RouteServer(rt.Router(cfg)).start()
@@ -130,8 +132,9 @@ def register(app: typer.Typer) -> None:
         """Serve slot files and receive model files over the link (prefill host).
 
         Binds only to this host's link address (serve.disagg.agent_port) and answers
-        only peers on the link subnet; no authentication, like rpc-server. Areas:
-        kv (the prefill llama-server's --slot-save-path) and models (`model sync`).
+        only peers on the link subnet that prove the pair secret (`linkctl key show`)
+        before any request. Areas: kv (the prefill llama-server's --slot-save-path)
+        and models (`model sync`).
 
         Examples:
           linkctl kv-agent --dry-run
@@ -140,6 +143,7 @@ def register(app: typer.Typer) -> None:
         from linkctl.core.log import speaker
         from linkctl.disagg import plan as disagg
         from linkctl.disagg.run import start_agent
+        from linkctl.trust.secret import key_path
 
         if not dry_run:
             require_writable_state("slot files and models (serve/slots, models/)")
@@ -150,6 +154,7 @@ def register(app: typer.Typer) -> None:
             "areas": {"kv": str(disagg.kv_dir()), "models": str(disagg.models_dir())},
             "model": disagg.prefill_model_path(prof),
             "allowed_peers": str(prof.link.subnet),
+            "authentication": f"pair secret {key_path(prof.name)}",
             "kv_layout": kv.as_dict(),
         }
         if dry_run:

@@ -82,6 +82,7 @@ def model_sync(
     from linkctl.core.log import speaker
     from linkctl.disagg import kvxfer
     from linkctl.disagg import plan as disagg
+    from linkctl.trust.secret import load
 
     prof, h, _backend, path = load_with_host(profile, host)
     if h.role != "head":
@@ -120,7 +121,9 @@ def model_sync(
             sys.stderr.write(f"\r{src.name}: {done / 2**20:.0f}/{total / 2**20:.0f} MiB {pct}%")
             sys.stderr.flush()
 
-    res = kvxfer.put(pre.ip, port, "models", src, source=h.ip, progress=progress)
+    res = kvxfer.put(
+        pre.ip, port, "models", src, secret=load(prof.name), source=h.ip, progress=progress
+    )
     sys.stderr.write("\n")
     out = plan | res.as_dict()
     if json_:

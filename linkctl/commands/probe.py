@@ -177,6 +177,7 @@ def register(app: typer.Typer) -> None:
 
         from linkctl.core.records import calibration_of
         from linkctl.probe.responder import Responder
+        from linkctl.trust.secret import load as load_secret
 
         prof, me, backend, path = load_with_host(profile, host)
         spec = prof.probe
@@ -187,6 +188,7 @@ def register(app: typer.Typer) -> None:
             runner=backend.runner,
             host=me.name,
             calibration=lambda: calibration_of(me.name),
+            secret=None if dry_run else load_secret(prof.name),
         )
         if dry_run:
             plan = r.plan()

@@ -76,6 +76,7 @@ def _pair(
     from linkctl.disagg.fingerprint import MODEL_FILE, fingerprint
     from linkctl.disagg.pair import compare_servers
     from linkctl.llama.client import UpstreamError
+    from linkctl.trust.secret import load
 
     pre = profile.prefill_host
     if not answered.get(pre.name):
@@ -83,7 +84,9 @@ def _pair(
         return [_check("kv-agent", Verdict.SKIP, None, detail)]
     port = profile.serve.disagg.agent_port
     try:
-        theirs = kvxfer.remote_model(pre.ip, port, source=host.ip, timeout=timeout_s)
+        theirs = kvxfer.remote_model(
+            pre.ip, port, secret=load(profile.name), source=host.ip, timeout=timeout_s
+        )
     except InputError as e:
         detail = f"{pre.ip}:{port}: {e.message} (start `linkctl serve` on {pre.name})"
         return [_check("kv-agent", Verdict.SKIP, None, detail)]

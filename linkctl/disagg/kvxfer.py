@@ -3,9 +3,10 @@
 
 The agent (`linkctl kv-agent`, on the prefill host) serves named areas (directories):
 ``kv`` is the prefill llama-server's --slot-save-path, ``models`` where `model sync`
-puts GGUF files. It binds only to its own link address and answers only peers inside
-the link subnet; it has no authentication, like rpc-server. One request per
-connection, a JSON line first:
+puts GGUF files. It binds only to its own link address, answers only peers inside
+the link subnet, and only those that prove the pair secret
+(linkctl.trust.session: a mutual challenge-response, then every JSON line below
+authenticated) before any request is read. One request per connection:
 
     {"op": "get", "area": A, "name": N, "delete": bool}
         <- {"ok": true, "size": S}\\n, S bytes, {"sha256": HEX}\\n
@@ -18,10 +19,15 @@ connection, a JSON line first:
         <- {"ok": true, "path": P, "size": S, "sha256": HEX, "kv_layout": {...}}
            (linkctl.disagg.fingerprint.ModelFingerprint.as_wire)
 
-A failure is {"ok": false, "error": "..."}. A put writes N.part and renames it only
+A failure is {"ok": false, "error": "..."}. The file bytes cross as they are; the
+SHA-256 after them travels in an authenticated line. A put writes N.part and renames it only
 after the whole-file SHA-256 matches, so a broken transfer leaves N.part to resume
 from (offset = its size) and never a wrong N. A get hashes as it sends; the
 client hashes as it receives and keeps the file only when both agree.
+
+What one peer can make the agent do is bounded: MAX_CONNECTIONS at once (threads and
+descriptors), MAX_UNPROVEN per address still in the handshake, AUTH_TIMEOUT_S to
+prove the secret, and IDLE_TIMEOUT_S of silence mid-request.
 """
 
 from __future__ import annotations
@@ -30,9 +36,9 @@ import contextlib
 import errno
 import hashlib
 import ipaddress
-import json
 import os
 import re
+import shutil
 import socket
 import socketserver
 import threading
@@ -45,11 +51,18 @@ from typing import Any, BinaryIO
 from linkctl.core.errors import InputError
 from linkctl.disagg.fingerprint import ModelFingerprint, fingerprint
 from linkctl.llama.invocation import KvLayout
+from linkctl.trust import session
+from linkctl.trust.secret import PairSecret
 
 CHUNK = 4 * 1024 * 1024
 PART_KEEP_S = 24 * 3600  # a partial copy not resumed within this is removed
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 DEFAULT_PORT = 50053
+SERVICE = "kv-agent"
+MAX_CONNECTIONS = 32  # connections served at once; more are closed at accept
+MAX_UNPROVEN = 4  # per address, connections that have not yet proved the secret
+AUTH_TIMEOUT_S = 5.0
+IDLE_TIMEOUT_S = 120.0
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
@@ -99,7 +112,7 @@ def check_bind(bind: str, subnet: ipaddress.IPv4Network) -> None:
     if ip.is_unspecified or ip not in subnet:
         raise InputError(
             f"kv-agent bind {bind} is {'a wildcard' if ip.is_unspecified else 'not on'} "
-            f"the link subnet {subnet}; the agent has no authentication",
+            f"the link subnet {subnet}",
             "bind it to this host's link address",
         )
 
@@ -117,73 +130,75 @@ def _sha_of(path: Path, upto: int | None = None) -> hashlib._Hash:
     return h
 
 
-def _line(sock_file) -> dict[str, Any]:
-    raw = sock_file.readline(64 * 1024)
-    if not raw:
-        raise TransferError("peer closed the connection")
-    try:
-        msg = json.loads(raw)
-    except ValueError:
-        raise TransferError(f"peer sent a malformed line: {raw[:80]!r}") from None
-    if not isinstance(msg, dict):
-        raise TransferError(f"peer sent a malformed line: {raw[:80]!r}")
-    return msg
-
-
-def _send(sock: socket.socket, msg: dict[str, Any]) -> None:
-    sock.sendall(json.dumps(msg).encode() + b"\n")
-
-
 # ---- the agent (server) ---------------------------------------------------------
 
 
 class _Handler(socketserver.StreamRequestHandler):
     server: _Server
-    # A peer silent this long mid-request is dropped, freeing its thread and descriptor.
-    timeout = 120.0
+    # Until the peer proves the secret; then IDLE_TIMEOUT_S (set in handle).
+    timeout = AUTH_TIMEOUT_S
+
+    def setup(self) -> None:
+        super().setup()
+        self.ch: session.Channel | None = None
 
     def handle(self) -> None:
         peer = ipaddress.IPv4Address(self.client_address[0])
         if peer not in self.server.allowed:
             self.server.log(f"refused {peer}: not on the link subnet {self.server.allowed}")
             return
-        try:
-            req = _line(self.rfile)
-            op = req.get("op")
-            if op == "model":
-                fp = fingerprint(self.server.model or "", self.server.kv)
-                _send(self.connection, {"ok": True, **fp.as_wire()})
+        with self.server.admitted(str(peer)) as why:
+            if why:
+                self.server.log(f"refused {peer}: {why}")
                 return
-            area = self.server.areas.get(str(req.get("area")))
-            if area is None:
-                raise InputError(f"unknown area {req.get('area')!r}")
-            name = check_name(str(req.get("name", "")))
-            path = area / name
-            if op == "get":
-                self._get(path, bool(req.get("delete")))
-            elif op == "put":
-                self._put(path, int(req["size"]), int(req.get("offset", 0)))
-            elif op == "stat":
-                part = path.with_name(name + ".part")
-                psize = part.stat().st_size if part.exists() else 0
-                _send(
-                    self.connection,
-                    {
-                        "ok": True,
-                        "size": path.stat().st_size if path.exists() else None,
-                        "partial": psize,
-                        "partial_sha256": _sha_of(part).hexdigest() if psize else None,
-                    },
+            try:
+                self.ch = session.accept(
+                    self.connection, self.rfile, self.server.key, SERVICE, f"peer {peer}"
                 )
-            else:
-                raise InputError(f"unknown op {op!r}")
+            except (session.AuthError, OSError) as e:
+                self.server.log(f"refused {peer}: {getattr(e, 'message', e)}")
+                return
+        self.connection.settimeout(IDLE_TIMEOUT_S)
+        try:
+            self._serve(self.ch.recv())
         except (InputError, KeyError, ValueError, OSError) as e:
             msg = e.message if isinstance(e, InputError) else f"{type(e).__name__}: {e}"
             self.server.log(f"{peer}: {msg}")
             with contextlib.suppress(OSError):
-                _send(self.connection, {"ok": False, "error": msg})
+                self.ch.send({"ok": False, "error": msg})
+
+    def _serve(self, req: dict[str, Any]) -> None:
+        assert self.ch is not None
+        op = req.get("op")
+        if op == "model":
+            fp = fingerprint(self.server.model or "", self.server.kv)
+            self.ch.send({"ok": True, **fp.as_wire()})
+            return
+        area = self.server.areas.get(str(req.get("area")))
+        if area is None:
+            raise InputError(f"unknown area {req.get('area')!r}")
+        name = check_name(str(req.get("name", "")))
+        path = area / name
+        if op == "get":
+            self._get(path, bool(req.get("delete")))
+        elif op == "put":
+            self._put(path, int(req["size"]), int(req.get("offset", 0)))
+        elif op == "stat":
+            part = path.with_name(name + ".part")
+            psize = part.stat().st_size if part.exists() else 0
+            self.ch.send(
+                {
+                    "ok": True,
+                    "size": path.stat().st_size if path.exists() else None,
+                    "partial": psize,
+                    "partial_sha256": _sha_of(part).hexdigest() if psize else None,
+                }
+            )
+        else:
+            raise InputError(f"unknown op {op!r}")
 
     def _get(self, path: Path, delete: bool) -> None:
+        assert self.ch is not None
         try:
             f = open(path, "rb")  # noqa: SIM115 (closed below)
         except FileNotFoundError:
@@ -191,7 +206,7 @@ class _Handler(socketserver.StreamRequestHandler):
         with f:
             before = os.fstat(f.fileno())
             size = before.st_size
-            _send(self.connection, {"ok": True, "size": size})
+            self.ch.send({"ok": True, "size": size})
             h = hashlib.sha256()
             left = size
             while left > 0:
@@ -206,7 +221,7 @@ class _Handler(socketserver.StreamRequestHandler):
             # Rewritten while it was read: the bytes sent are neither version. The
             # receiver gets no checksum line and keeps nothing.
             raise InputError(f"{path.name} changed while it was sent; run the copy again")
-        _send(self.connection, {"sha256": h.hexdigest()})
+        self.ch.send({"sha256": h.hexdigest()})
         if delete:
             path.unlink(missing_ok=True)
         self.server.log(f"sent {path.name}: {size} bytes")
@@ -216,12 +231,20 @@ class _Handler(socketserver.StreamRequestHandler):
             self._put_one(path, size, offset)
 
     def _put_one(self, path: Path, size: int, offset: int) -> None:
+        assert self.ch is not None
         part = path.with_name(path.name + ".part")
         have = part.stat().st_size if part.exists() else 0
-        if offset not in (0, have) or offset > size:
+        if size < 0 or offset not in (0, have) or offset > size:
             raise InputError(f"offset {offset} does not match the partial file ({have} bytes)")
+        free = shutil.disk_usage(path.parent).free
+        if size - offset > free:
+            raise InputError(
+                f"no space left on {socket.gethostname()} for {path.name}: "
+                f"need {size - offset} bytes, have {free}",
+                f"free space in {path.parent}, then run the copy again",
+            )
         h = _sha_of(part, offset) if offset else hashlib.sha256()
-        _send(self.connection, {"ok": True})
+        self.ch.send({"ok": True})
         with _private(part, append=bool(offset)) as f:
             f.seek(offset)
             f.truncate()
@@ -241,10 +264,11 @@ class _Handler(socketserver.StreamRequestHandler):
                     raise
                 part.unlink(missing_ok=True)  # its space back; a resume could not finish
                 raise InputError(
-                    f"no space left in {path.parent} for {path.name} ({size} bytes)",
-                    "free space on this host, then run the copy again",
+                    f"no space left on {socket.gethostname()} for {path.name}: "
+                    f"need {size - offset} bytes, ran out at {size - left}",
+                    f"free space in {path.parent}, then run the copy again",
                 ) from None
-        want = _line(self.rfile).get("sha256")
+        want = self.ch.recv().get("sha256")
         got = h.hexdigest()
         # The checksum of the bytes on disk, read back: what the stream carried is not
         # proof of what was stored.
@@ -255,13 +279,15 @@ class _Handler(socketserver.StreamRequestHandler):
                 f"checksum mismatch for {path.name}: sent {want}, received {got}, stored {stored}"
             )
         part.replace(path)
-        _send(self.connection, {"ok": True, "sha256": got})
+        self.ch.send({"ok": True, "sha256": got})
         self.server.log(f"received {path.name}: {size} bytes (from offset {offset})")
 
 
 class _Server(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
+    # The listen backlog: a burst of connections waits here instead of in SYN retries.
+    request_queue_size = 64
 
     def __init__(
         self,
@@ -269,14 +295,59 @@ class _Server(socketserver.ThreadingTCPServer):
         areas: dict[str, Path],
         allowed: ipaddress.IPv4Network,
         log: Callable[[str], None],
+        key: bytes,
         model: str | None,
         kv: KvLayout | None,
     ):
         self.areas, self.allowed, self.log, self.model = areas, allowed, log, model
-        self.kv = kv
+        self.key, self.kv = key, kv
         self._writing: set[Path] = set()
         self._writing_lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._unproven: dict[str, int] = {}
         super().__init__(addr, _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        # At most MAX_CONNECTIONS handler threads: one more is closed at once, not queued.
+        if not self._slots.acquire(blocking=False):
+            self.log(f"refused {client_address[0]}: {MAX_CONNECTIONS} connections already")
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        try:
+            return super().get_request()
+        except OSError as e:
+            # Out of descriptors: the listening socket stays readable, so without a
+            # pause serve_forever would spin a core retrying accept().
+            if e.errno in (errno.EMFILE, errno.ENFILE):
+                time.sleep(0.1)
+            raise
+
+    @contextlib.contextmanager
+    def admitted(self, peer: str) -> Iterator[str | None]:
+        """Whether ``peer`` may start one more handshake (None) or why not: a host
+        that cannot prove the secret cannot hold every slot."""
+        with self._writing_lock:
+            n = self._unproven.get(peer, 0)
+            if n >= MAX_UNPROVEN:
+                yield f"{n} connections from it have not proved the pair secret yet"
+                return
+            self._unproven[peer] = n + 1
+        try:
+            yield None
+        finally:
+            with self._writing_lock:
+                self._unproven[peer] -= 1
+                if not self._unproven[peer]:
+                    del self._unproven[peer]
 
     @contextlib.contextmanager
     def writing(self, path: Path) -> Iterator[None]:
@@ -304,6 +375,7 @@ class Agent:
         port: int,
         areas: dict[str, Path],
         subnet: ipaddress.IPv4Network,
+        secret: PairSecret,
         log: Callable[[str], None] | None = None,
         model: str | None = None,
         kv: KvLayout | None = None,
@@ -314,7 +386,9 @@ class Agent:
                 raise InputError(f"kv-agent area {name}: {d} is not a directory", "create it")
         dirs = {k: Path(v) for k, v in areas.items()}
         try:
-            self.server = _Server((bind, port), dirs, subnet, log or (lambda _m: None), model, kv)
+            self.server = _Server(
+                (bind, port), dirs, subnet, log or (lambda _m: None), secret.key, model, kv
+            )
         except OSError as e:
             raise InputError(
                 f"kv-agent cannot listen on {bind}:{port}: {e}",
@@ -352,7 +426,11 @@ class Agent:
 # ---- the client -------------------------------------------------------------------
 
 
-def _connect(host: str, port: int, source: str | None, timeout: float) -> socket.socket:
+@contextlib.contextmanager
+def _channel(
+    host: str, port: int, secret: PairSecret, source: str | None, timeout: float
+) -> Iterator[session.Channel]:
+    """A connection to the agent that has proved the pair secret both ways."""
     try:
         s = socket.create_connection(
             (host, port), timeout=timeout, source_address=(source, 0) if source else None
@@ -361,13 +439,20 @@ def _connect(host: str, port: int, source: str | None, timeout: float) -> socket
         raise TransferError(
             f"kv-agent {host}:{port}: {e}", "is `linkctl kv-agent` running there?"
         ) from None
-    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return s
+    with s, s.makefile("rb") as f:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            ch = session.connect(s, f, secret.key, SERVICE, f"kv-agent {host}:{port}")
+        except session.AuthError as e:
+            raise TransferError(
+                e.message, "both hosts need one pair secret: compare `linkctl key show` on each"
+            ) from None
+        yield ch
 
 
-def _request(s: socket.socket, f, req: dict[str, Any]) -> dict[str, Any]:
-    _send(s, req)
-    msg = _line(f)
+def _request(ch: session.Channel, req: dict[str, Any]) -> dict[str, Any]:
+    ch.send(req)
+    msg = ch.recv()
     if not msg.get("ok"):
         raise TransferError(f"kv-agent refused {req['op']} {req.get('name')}: {msg.get('error')}")
     return msg
@@ -380,6 +465,7 @@ def fetch(
     name: str,
     dest: Path,
     *,
+    secret: PairSecret,
     source: str | None = None,
     delete: bool = False,
     timeout: float = 30.0,
@@ -391,14 +477,14 @@ def fetch(
     part = dest.with_name(dest.name + ".part")
     t0 = time.monotonic()
     try:
-        with _connect(host, port, source, timeout) as s, s.makefile("rb") as f:
-            head = _request(s, f, {"op": "get", "area": area, "name": name, "delete": delete})
+        with _channel(host, port, secret, source, timeout) as ch:
+            head = _request(ch, {"op": "get", "area": area, "name": name, "delete": delete})
             size = int(head["size"])
             h = hashlib.sha256()
             with _private(part) as out:
                 left = size
                 while left > 0:
-                    b = f.read1(min(CHUNK, left))
+                    b = ch.rfile.read(min(CHUNK, left))
                     if not b:
                         raise TransferError(f"kv-agent closed after {size - left} of {size} bytes")
                     h.update(b)
@@ -406,7 +492,7 @@ def fetch(
                     left -= len(b)
                     if progress:
                         progress(size - left, size)
-            tail = _line(f)
+            tail = ch.recv()
         if tail.get("ok") is False:  # the agent's own refusal, after the bytes
             raise TransferError(f"kv-agent {host}:{port}: {tail.get('error')}")
         want = tail.get("sha256")
@@ -424,24 +510,43 @@ def fetch(
 
 
 def stat(
-    host: str, port: int, area: str, name: str, *, source: str | None = None, timeout: float = 30.0
+    host: str,
+    port: int,
+    area: str,
+    name: str,
+    *,
+    secret: PairSecret,
+    source: str | None = None,
+    timeout: float = 30.0,
 ) -> dict[str, Any]:
     check_name(name)
-    return _ask(host, port, {"op": "stat", "area": area, "name": name}, source, timeout)
+    return _ask(host, port, secret, {"op": "stat", "area": area, "name": name}, source, timeout)
 
 
 def remote_model(
-    host: str, port: int, *, source: str | None = None, timeout: float = 120.0
+    host: str,
+    port: int,
+    *,
+    secret: PairSecret,
+    source: str | None = None,
+    timeout: float = 120.0,
 ) -> ModelFingerprint:
     """The fingerprint of the model the agent's host serves, with the KV layout its
     llama-server runs."""
-    return ModelFingerprint.from_wire(_ask(host, port, {"op": "model"}, source, timeout))
+    return ModelFingerprint.from_wire(_ask(host, port, secret, {"op": "model"}, source, timeout))
 
 
-def _ask(host: str, port: int, req: dict[str, Any], source: str | None, timeout: float):
+def _ask(
+    host: str,
+    port: int,
+    secret: PairSecret,
+    req: dict[str, Any],
+    source: str | None,
+    timeout: float,
+) -> dict[str, Any]:
     try:
-        with _connect(host, port, source, timeout) as s, s.makefile("rb") as f:
-            return _request(s, f, req)
+        with _channel(host, port, secret, source, timeout) as ch:
+            return _request(ch, req)
     except OSError as e:
         raise TransferError(f"{req['op']} on kv-agent {host}:{port}: {e}") from None
 
@@ -452,6 +557,7 @@ def put(
     area: str,
     src: Path,
     *,
+    secret: PairSecret,
     name: str | None = None,
     source: str | None = None,
     timeout: float = 30.0,
@@ -460,8 +566,9 @@ def put(
     """Copy ``src`` to the agent's ``area``, resuming a partial copy whose prefix
     matches this file (its SHA-256 is compared; a different prefix starts over)."""
     name = check_name(name or src.name)
-    size = src.stat().st_size
-    st = stat(host, port, area, name, source=source, timeout=timeout)
+    before = src.stat()
+    size = before.st_size
+    st = stat(host, port, area, name, secret=secret, source=source, timeout=timeout)
     offset = int(st.get("partial") or 0)
     h = hashlib.sha256()
     if 0 < offset <= size:
@@ -472,10 +579,8 @@ def put(
         offset = 0
     t0 = time.monotonic()
     try:
-        with _connect(host, port, source, timeout) as s, s.makefile("rb") as f:
-            _request(
-                s, f, {"op": "put", "area": area, "name": name, "size": size, "offset": offset}
-            )
+        with _channel(host, port, secret, source, timeout) as ch:
+            _request(ch, {"op": "put", "area": area, "name": name, "size": size, "offset": offset})
             with open(src, "rb") as inp:
                 inp.seek(offset)
                 done = offset
@@ -484,13 +589,21 @@ def put(
                     if not b:
                         raise TransferError(f"{src} shrank while it was sent")
                     h.update(b)
-                    s.sendall(b)
+                    ch.sock.sendall(b)
                     done += len(b)
                     if progress:
                         progress(done, size)
+                after = os.fstat(inp.fileno())
+            if (after.st_size, after.st_mtime_ns) != (size, before.st_mtime_ns):
+                # The bytes sent are neither version: no checksum line, so the agent
+                # keeps nothing under the name (a resume compares the prefix again).
+                raise TransferError(
+                    f"{src} changed while it was sent; nothing was kept as {name}",
+                    "run the copy again once the file is final",
+                )
             digest = h.hexdigest()
-            _send(s, {"sha256": digest})
-            reply = _line(f)
+            ch.send({"sha256": digest})
+            reply = ch.recv()
             if not reply.get("ok"):
                 raise TransferError(f"kv-agent rejected {name}: {reply.get('error')}")
     except OSError as e:

@@ -35,6 +35,7 @@ def start_agent(
     """The kv-agent on this host's link address, serving the kv and models areas, and
     telling the head the model and KV layout this host's llama-server runs (``kv``)."""
     from linkctl.disagg import kvxfer
+    from linkctl.trust.secret import load
 
     private_dir(kv_dir())
     make_dirs(models_dir())
@@ -44,6 +45,7 @@ def start_agent(
         profile.serve.disagg.agent_port,
         {"kv": kv_dir(), "models": models_dir()},
         profile.link.subnet,
+        load(profile.name),
         log=say,
         model=prefill_model_path(profile),
         kv=kv,
@@ -116,7 +118,9 @@ def run_decode(
     def start_route() -> None:
         try:
             local = fingerprint(model, plan.decode.kv)
-            remote = kvxfer.remote_model(cfg.agent_host or "", cfg.agent_port, source=cfg.source)
+            remote = kvxfer.remote_model(
+                cfg.agent_host or "", cfg.agent_port, secret=cfg.secret, source=cfg.source
+            )
             check_pair(cfg, (local, remote), wait_s=wait_s, say=say)
             servers.append(rt.RouteServer(rt.Router(cfg, log=log)).start())
         except LinkctlError as e:

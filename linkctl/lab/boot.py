@@ -26,6 +26,7 @@ from linkctl.core.stopflag import sigterm_as_interrupt
 from linkctl.lab import netns
 from linkctl.lab.container import Bind, Container
 from linkctl.lab.rootfs import VENV, Image, ImagePlan, Log, quiet
+from linkctl.trust import secret
 
 MODEL_DIR = "/srv/linkctl"  # the head's model, bound read-only
 
@@ -165,12 +166,14 @@ class BootLab:
             f"{MODEL_DIR}/{self.model.name}" if self.model else None,
         )
         self.profile_in_container = f"/root/{profile.name}-lab.toml"
+        key = secret.load(f"{profile.name}-lab", lab.host_state_dir(lab.hosts[0].name)).key
         for h in lab.hosts:
             binds = binds_for(profile, h.name, self.llama, self.model)
             c = Container(f"{self.name}-{h.name}", h.netns, self.image, binds, runner=self.runner)
             self._undo.append(c.destroy)
             c.create()
             (c.root / self.profile_in_container.lstrip("/")).write_text(text)
+            secret.store(f"{profile.name}-lab", key, c.root / "var/lib/linkctl")
             self.containers[h.name] = c
         self.boot_all()
 

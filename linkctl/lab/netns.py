@@ -30,6 +30,7 @@ import tomli_w
 from linkctl.core.errors import InputError
 from linkctl.core.paths import state_dir
 from linkctl.core.profile import Profile, parse_profile
+from linkctl.trust import secret
 
 WIFI_IF = "wlan0"
 # Every lab host shares this machine's CPUs with everything else running: a
@@ -203,8 +204,11 @@ def up(profile: Profile, name: str = "lab") -> Lab:
         _wire_wifi(lab)
         wire_link(lab)
         root.mkdir(parents=True, exist_ok=True)
+        # One pair secret for the lab's hosts, as `linkctl pair` leaves on a real pair.
+        key = secret.generate()
         for lh in hosts:
             lab.host_state_dir(lh.name).mkdir(parents=True, exist_ok=True)
+            secret.store(lab_profile.name, key, lab.host_state_dir(lh.name))
         Path(lab.profile_path).write_text(
             f"# written by `linkctl lab up --name {name}` from profile {profile.name}\n"
             + tomli_w.dumps(lab_profile.to_toml_dict())

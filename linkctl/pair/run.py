@@ -427,6 +427,7 @@ def _setup_and_probe(
     from linkctl.probe import run_probe
     from linkctl.probe.report import save
     from linkctl.probe.responder import Responder
+    from linkctl.trust.secret import load as load_secret
 
     host, other = prof.host(me.host), prof.host(peer.ann.host)
     r = link.setup(prof, host, backend)
@@ -434,7 +435,12 @@ def _setup_and_probe(
     say(f"setup: {res.setup}")
     spec = prof.probe
     responder = Responder(
-        host.ip, spec.responder_port, spec.iperf_port, runner=backend.runner, host=host.name
+        host.ip,
+        spec.responder_port,
+        spec.iperf_port,
+        runner=backend.runner,
+        host=host.name,
+        secret=load_secret(prof.name),
     )
     responder.start()
     try:

@@ -103,6 +103,7 @@ def _steps(
     from linkctl.probe import latency, mtu, nic
     from linkctl.probe import peer as peer_mod
     from linkctl.probe import throughput as tp
+    from linkctl.trust.secret import load as load_secret
 
     spec = profile.probe
     if not nic.check_nic(report, profile, host, backend):
@@ -117,11 +118,12 @@ def _steps(
             peer.ip,
             spec.responder_port,
             host.ip,
+            secret=load_secret(profile.name),
             samples=samples,
             timeout_s=spec.timeout_s,
             peer_name=peer.name,
         )
-    except latency.ResponderUnavailable as e:
+    except InputError as e:  # the responder away or refusing, or no pair secret here
         report.add("tcp rtt", Verdict.SKIP, None, spec.max_rtt_p99_us, e.message)
         report.stop(e.message, e.exit_code)
         return

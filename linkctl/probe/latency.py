@@ -7,7 +7,6 @@ warm-up, then ``samples`` timed exchanges of ``size`` bytes out and the same
 
 from __future__ import annotations
 
-import json
 import math
 import socket
 import statistics
@@ -19,6 +18,8 @@ from pydantic import ValidationError
 from linkctl.core.errors import InputError
 from linkctl.core.records import ResponderInfo, RttStats
 from linkctl.probe.responder import SERVICE
+from linkctl.trust import session
+from linkctl.trust.secret import PairSecret
 
 SIZES = (1, 32 * 1024, 128 * 1024)
 # The banner is one JSON line: a few hundred bytes, with a calibration's terms under 1 KiB.
@@ -58,7 +59,13 @@ def stats_us(ns: list[int]) -> RttStats:
 
 class EchoClient:
     def __init__(
-        self, peer_ip: str, port: int, src_ip: str | None, timeout_s: float, peer_name: str = "peer"
+        self,
+        peer_ip: str,
+        port: int,
+        src_ip: str | None,
+        timeout_s: float,
+        secret: PairSecret,
+        peer_name: str = "peer",
     ):
         self.where = f"{peer_name} ({peer_ip}:{port})"
         try:
@@ -81,23 +88,25 @@ class EchoClient:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(timeout_s)
         self.sock = sock
-        self.banner = self._banner()
+        self.banner = self._banner(secret)
 
-    def _banner(self) -> dict[str, Any]:
-        line = b""
+    def _banner(self, secret: PairSecret) -> dict[str, Any]:
+        """The banner, after both ends proved the pair secret (unbuffered reads: the
+        echo that follows reads the socket itself)."""
         try:
-            while not line.endswith(b"\n") and len(line) < MAX_BANNER:
-                chunk = self.sock.recv(MAX_BANNER - len(line))
-                if not chunk:
-                    break
-                line += chunk
-        except (TimeoutError, OSError):
-            pass
-        try:
-            info = json.loads(line)
-        except ValueError:
-            info = None
-        if not isinstance(info, dict) or info.get("service") != SERVICE:
+            with self.sock.makefile("rb", buffering=0) as rfile:
+                ch = session.connect(self.sock, rfile, secret.key, SERVICE, self.where)
+                info = ch.recv()
+        except session.AuthError as e:
+            self.close()
+            raise ResponderUnavailable(
+                f"{e.message} (is it a linkctl responder on probe.responder_port?)",
+                "both hosts need one pair secret: compare `linkctl key show` on each",
+            ) from None
+        except OSError as e:
+            self.close()
+            raise ResponderUnavailable(f"{self.where}: {e.strerror or e}") from None
+        if info.get("service") != SERVICE:
             self.close()
             raise ResponderUnavailable(
                 f"{self.where} answers but is not a linkctl responder; check probe.responder_port"
@@ -141,6 +150,7 @@ def measure_rtt(
     port: int,
     src_ip: str | None,
     *,
+    secret: PairSecret,
     samples: int,
     timeout_s: float,
     sizes: tuple[int, ...] = SIZES,
@@ -149,7 +159,7 @@ def measure_rtt(
 ) -> tuple[dict[str, RttStats], ResponderInfo]:
     """({size: stats}, responder banner). Raises ResponderUnavailable."""
     warm = warmup if warmup is not None else max(50, samples // 10)
-    client = EchoClient(peer_ip, port, src_ip, timeout_s, peer_name)
+    client = EchoClient(peer_ip, port, src_ip, timeout_s, secret, peer_name)
     try:
         res = {str(size): stats_us(client.measure(size, samples, warm)) for size in sizes}
     finally:

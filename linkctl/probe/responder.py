@@ -6,17 +6,19 @@ refused: the responder answers anyone who can reach it). Threads, not
 asyncio: a blocking recv/send loop per connection is the lowest-latency echo
 Python can do. SIGTERM (or SIGINT) stops both cleanly.
 
-Protocol: on connect the server sends one JSON line (the banner, so the
-probe knows it reached a linkctl responder and which iperf3 port runs, and this
-host's calibration terms when it has some: how they reach the other host), then
-echoes every byte it receives until the client closes.
+Protocol: on connect the two ends prove the pair secret to each other
+(linkctl.trust.session; a peer that does not within AUTH_TIMEOUT_S is dropped and
+learns nothing), then the server sends one authenticated JSON line (the banner, so
+the probe knows which iperf3 port runs, and this host's calibration terms when it
+has some: how they reach the other host, unforged), then echoes every byte it
+receives until the client closes. iperf3 itself is not authenticated: it measures,
+and hands nothing on.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ipaddress
-import json
 import logging
 import socket
 import subprocess
@@ -28,6 +30,8 @@ from linkctl.core.errors import InputError
 from linkctl.core.records import CalibrationRecord
 from linkctl.core.runner import Runner, default_runner, stop_process
 from linkctl.core.stopflag import stop_on_signals
+from linkctl.trust import session
+from linkctl.trust.secret import PairSecret
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +39,7 @@ SERVICE = "linkctl-responder"
 PROTOCOL = 1
 BUF = 256 * 1024
 MAX_CLIENTS = 16
+AUTH_TIMEOUT_S = 5.0
 IPERF_HINT = "Debian/Ubuntu: sudo apt install iperf3; macOS: brew install iperf3"
 
 
@@ -56,6 +61,7 @@ class Responder:
         iperf: bool = True,
         host: str | None = None,
         calibration: Callable[[], CalibrationRecord | None] | None = None,
+        secret: PairSecret | None = None,
     ):
         try:
             ip = ipaddress.IPv4Address(address)
@@ -76,6 +82,7 @@ class Responder:
         # Read at every connect, so a calibration made after the responder started is
         # what the peer gets.
         self.calibration = calibration
+        self.secret = secret  # None: plan() and banner() only; start() refuses
         self._sock: socket.socket | None = None
         self._stop = threading.Event()
         self._iperf_proc: subprocess.Popen | None = None
@@ -87,6 +94,8 @@ class Responder:
     # ---- lifecycle -----------------------------------------------------------------
 
     def start(self) -> None:
+        if self.secret is None:
+            raise InputError("the responder answers only peers holding the pair secret; none given")
         iperf_bin = iperf3_path(self.runner) if self.iperf else None
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -233,10 +242,19 @@ class Responder:
 
     def _echo(self, conn: socket.socket) -> None:
         self._clients.add(conn)
+        assert self.secret is not None
         try:
-            conn.settimeout(None)
+            conn.settimeout(AUTH_TIMEOUT_S)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.sendall((json.dumps(self.banner()) + "\n").encode())
+            peer = f"peer {conn.getpeername()[0]}"
+            with conn.makefile("rb", buffering=0) as rfile:
+                try:
+                    ch = session.accept(conn, rfile, self.secret.key, SERVICE, peer)
+                except session.AuthError as e:
+                    log.warning("refused %s", e.message)
+                    return
+                conn.settimeout(None)
+                ch.send(self.banner())
             buf = bytearray(BUF)
             view = memoryview(buf)
             recv_into, sendall = conn.recv_into, conn.sendall

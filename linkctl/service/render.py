@@ -13,6 +13,7 @@ from xml.sax.saxutils import escape as xml_escape
 from linkctl.core.errors import InputError
 from linkctl.core.paths import SYSTEM_PROFILE_DIR, SYSTEM_STATE_DIR, shipped
 from linkctl.core.profile import HostSpec, Profile
+from linkctl.trust.secret import key_path
 
 UNIT_DIR = "/etc/systemd/system"
 # `linkctl up --no-boot`: where each manager takes services it runs now but forgets at
@@ -199,6 +200,8 @@ def render_systemd(profile: Profile, host: HostSpec, paths: ServicePaths) -> dic
         "address": str(host.address),
         "device_unit": device_unit(host.interface),
         "state_dir": paths.state_dir,
+        # A path, not an argv word: only specifiers need escaping (systemd.unit(5)).
+        "pair_key": str(key_path(profile.name, Path(paths.state_dir))).replace("%", "%%"),
     }
     values = {
         "linkctl-link.service": {

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
-import json
 import os
 import socket
 import threading
@@ -15,8 +14,11 @@ import pytest
 from linkctl.core.errors import InputError
 from linkctl.disagg import kvxfer
 from linkctl.disagg.fingerprint import fingerprint
+from linkctl.trust import session
+from linkctl.trust.secret import PairSecret
 
 LO = ipaddress.IPv4Network("127.0.0.0/8")
+KEY = PairSecret(os.urandom(32), "test")
 
 
 @pytest.fixture
@@ -31,7 +33,7 @@ def test_fetch_checksummed_and_deleted(areas, tmp_path):
     data = os.urandom(3 * kvxfer.CHUNK + 123)
     (areas["kv"] / "slot.kv").write_bytes(data)
     seen = []
-    with kvxfer.Agent("127.0.0.1", 0, areas, LO) as a:
+    with kvxfer.Agent("127.0.0.1", 0, areas, LO, KEY) as a:
         res = kvxfer.fetch(
             "127.0.0.1",
             a.port,
@@ -40,6 +42,7 @@ def test_fetch_checksummed_and_deleted(areas, tmp_path):
             tmp_path / "got.kv",
             delete=True,
             progress=lambda done, total: seen.append((done, total)),
+            secret=KEY,
         )
     assert (tmp_path / "got.kv").read_bytes() == data
     assert (tmp_path / "got.kv").stat().st_mode & 0o777 == 0o600  # a user's prompt
@@ -55,17 +58,17 @@ def test_put_resumes_a_matching_partial_and_restarts_a_foreign_one(areas, tmp_pa
     part = areas["models"] / "m.gguf.part"
     part.write_bytes(data[:1000])
     part.chmod(0o644)  # written before: its mode is made private as it resumes
-    with kvxfer.Agent("127.0.0.1", 0, areas, LO) as a:
-        res = kvxfer.put("127.0.0.1", a.port, "models", src)
+    with kvxfer.Agent("127.0.0.1", 0, areas, LO, KEY) as a:
+        res = kvxfer.put("127.0.0.1", a.port, "models", src, secret=KEY)
         assert res.resumed_from == 1000 and res.bytes == len(data) - 1000
         assert (areas["models"] / "m.gguf").read_bytes() == data and not part.exists()
         assert (areas["models"] / "m.gguf").stat().st_mode & 0o777 == 0o600
         # A partial that is not a prefix of this file: start over, still correct.
         (areas["models"] / "m.gguf").unlink()
         part.write_bytes(b"x" * 5000)
-        res = kvxfer.put("127.0.0.1", a.port, "models", src)
+        res = kvxfer.put("127.0.0.1", a.port, "models", src, secret=KEY)
         assert res.resumed_from == 0 and (areas["models"] / "m.gguf").read_bytes() == data
-        st = kvxfer.stat("127.0.0.1", a.port, "models", "m.gguf")
+        st = kvxfer.stat("127.0.0.1", a.port, "models", "m.gguf", secret=KEY)
         assert st["size"] == len(data) and st["partial"] == 0
 
 
@@ -77,38 +80,42 @@ def test_checksum_mismatch_keeps_nothing(tmp_path):
 
     def serve():
         c, _ = srv.accept()
-        c.makefile("rb").readline()
-        c.sendall(json.dumps({"ok": True, "size": 4}).encode() + b"\n" + b"abcd")
-        c.sendall(json.dumps({"sha256": "0" * 64}).encode() + b"\n")
+        ch = session.accept(c, c.makefile("rb"), KEY.key, kvxfer.SERVICE, "client")
+        ch.recv()
+        ch.send({"ok": True, "size": 4})
+        c.sendall(b"abcd")
+        ch.send({"sha256": "0" * 64})
         c.close()
 
     threading.Thread(target=serve, daemon=True).start()
     dest = tmp_path / "x.kv"
     with pytest.raises(kvxfer.TransferError, match="checksum mismatch"):
-        kvxfer.fetch("127.0.0.1", srv.getsockname()[1], "kv", "x.kv", dest)
+        kvxfer.fetch("127.0.0.1", srv.getsockname()[1], "kv", "x.kv", dest, secret=KEY)
     srv.close()
     assert not dest.exists() and not dest.with_name("x.kv.part").exists()
 
 
 def test_agent_refuses_wildcard_other_peers_and_paths(areas, tmp_path):
     with pytest.raises(InputError, match="wildcard"):
-        kvxfer.Agent("0.0.0.0", 0, areas, LO)
+        kvxfer.Agent("0.0.0.0", 0, areas, LO, KEY)
     with pytest.raises(InputError, match="not on the link subnet"):
-        kvxfer.Agent("127.0.0.1", 0, areas, ipaddress.IPv4Network("198.18.100.0/24"))
+        kvxfer.Agent("127.0.0.1", 0, areas, ipaddress.IPv4Network("198.18.100.0/24"), KEY)
     (areas["kv"] / "a.kv").write_bytes(b"1234")
     # Only peers on the link subnet: 127.0.0.1 is not in 127.0.0.2/32.
     only = ipaddress.IPv4Network("127.0.0.2/32")
     with (
-        kvxfer.Agent("127.0.0.2", 0, areas, only) as a,
+        kvxfer.Agent("127.0.0.2", 0, areas, only, KEY) as a,
         pytest.raises(kvxfer.TransferError, match="closed"),
     ):
-        kvxfer.fetch("127.0.0.2", a.port, "kv", "a.kv", tmp_path / "a", source="127.0.0.1")
-    with kvxfer.Agent("127.0.0.1", 0, areas, LO) as a:
+        kvxfer.fetch(
+            "127.0.0.2", a.port, "kv", "a.kv", tmp_path / "a", source="127.0.0.1", secret=KEY
+        )
+    with kvxfer.Agent("127.0.0.1", 0, areas, LO, KEY) as a:
         for bad in ("../a.kv", "a/b", ".hidden", "x.part", "a.kv\n"):
             with pytest.raises(InputError, match="not allowed"):
-                kvxfer.fetch("127.0.0.1", a.port, "kv", bad, tmp_path / "a")
+                kvxfer.fetch("127.0.0.1", a.port, "kv", bad, tmp_path / "a", secret=KEY)
         with pytest.raises(kvxfer.TransferError, match="no file"):
-            kvxfer.fetch("127.0.0.1", a.port, "kv", "missing.kv", tmp_path / "a")
+            kvxfer.fetch("127.0.0.1", a.port, "kv", "missing.kv", tmp_path / "a", secret=KEY)
     assert (areas["kv"] / "a.kv").read_bytes() == b"1234"
 
 
@@ -131,8 +138,8 @@ def test_agent_reports_the_kv_layout_its_server_runs(areas, tmp_path):
     extra = ["-ctk", "q8_0", "--flash-attn", "on"]
     layout = ServerInvocation("llama-server", "m.gguf").with_extra(extra, "serve.extra_args").kv
     assert layout == KvLayout("q8_0", "f16", "on")
-    with kvxfer.Agent("127.0.0.1", 0, areas, LO, model=str(model), kv=layout) as a:
-        got = kvxfer.remote_model("127.0.0.1", a.port)
+    with kvxfer.Agent("127.0.0.1", 0, areas, LO, KEY, model=str(model), kv=layout) as a:
+        got = kvxfer.remote_model("127.0.0.1", a.port, secret=KEY)
     assert got == fingerprint(model, layout) and got.size == 4
 
 
@@ -149,11 +156,13 @@ def test_two_puts_to_one_name_never_mix(areas, tmp_path):
             halfway.set()
             go.wait(30)
 
-    with kvxfer.Agent("127.0.0.1", 0, areas, LO) as a:
+    with kvxfer.Agent("127.0.0.1", 0, areas, LO, KEY) as a:
 
         def put_first() -> None:
             try:
-                kvxfer.put("127.0.0.1", a.port, "models", first, name="m.gguf", progress=slow)
+                kvxfer.put(
+                    "127.0.0.1", a.port, "models", first, name="m.gguf", progress=slow, secret=KEY
+                )
             except Exception as e:  # the test reads it below
                 errors.append(e)
 
@@ -161,7 +170,7 @@ def test_two_puts_to_one_name_never_mix(areas, tmp_path):
         t.start()
         assert halfway.wait(30)
         with pytest.raises((InputError, kvxfer.TransferError), match="being written by another"):
-            kvxfer.put("127.0.0.1", a.port, "models", second, name="m.gguf")
+            kvxfer.put("127.0.0.1", a.port, "models", second, name="m.gguf", secret=KEY)
         go.set()
         t.join(60)
     assert errors == []
@@ -180,10 +189,12 @@ def test_a_file_rewritten_while_it_is_sent_is_not_kept(areas, tmp_path):
                 f.write(os.urandom(kvxfer.CHUNK))
 
     with (
-        kvxfer.Agent("127.0.0.1", 0, areas, LO) as a,
+        kvxfer.Agent("127.0.0.1", 0, areas, LO, KEY) as a,
         pytest.raises(kvxfer.TransferError, match="changed while it was sent"),
     ):
-        kvxfer.fetch("127.0.0.1", a.port, "models", "m.gguf", tmp_path / "m", progress=rewrite)
+        kvxfer.fetch(
+            "127.0.0.1", a.port, "models", "m.gguf", tmp_path / "m", progress=rewrite, secret=KEY
+        )
     assert rewritten.is_set()
     assert not (tmp_path / "m").exists() and not (tmp_path / "m.part").exists()
 
@@ -194,6 +205,6 @@ def test_partial_files_not_resumed_within_a_day_are_removed(areas):
         p.write_bytes(b"x")
     day_ago = time.time() - kvxfer.PART_KEEP_S - 60
     os.utime(old, (day_ago, day_ago))
-    with kvxfer.Agent("127.0.0.1", 0, areas, LO):
+    with kvxfer.Agent("127.0.0.1", 0, areas, LO, KEY):
         pass
     assert not old.exists() and fresh.exists()

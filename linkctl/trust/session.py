@@ -1,0 +1,145 @@
+"""The authenticated channel: a mutual HMAC-SHA256 challenge-response over the pair
+secret, then every JSON line carrying an HMAC under a key of that connection alone.
+
+The handshake is the three-pass mutual authentication of ISO/IEC 9798-4 (section 5.2.2)
+with HMAC-SHA256 (RFC 2104) as the keyed function; each side's nonce is fresh, so a
+recorded exchange proves nothing on another connection (no replay), and neither side
+says anything about itself before the other has proved the secret:
+
+    server -> client   {"linkctl": "auth", "v": 1, "service": S, "nonce": Ns}
+    client -> server   {"nonce": Nc, "mac": HMAC(K, "client" S Ns Nc)}
+    server -> client   {"ok": true, "mac": HMAC(K, "server" S Ns Nc)}
+                       or {"ok": false, "error": "..."} and the server closes
+
+Then each JSON line is {"m": MESSAGE, "mac": HMAC(K_c, direction, sequence number,
+MESSAGE)} with K_c = HMAC(K, "session" S Ns Nc): a line cannot be changed, dropped,
+reordered or carried to another connection without the receiver refusing it. Bulk
+bytes (a KV slot file, a model) cross as they are, and their SHA-256 travels in an
+authenticated line after them, so what arrived is checked against what was sent.
+Nothing is encrypted: the bytes on the cable are readable by whoever can tap it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+import socket
+from typing import Any, Protocol
+
+from linkctl.core.errors import InputError
+
+VERSION = 1
+MAX_LINE = 64 * 1024
+
+
+class Reader(Protocol):
+    """A buffered socket reader (socket.makefile("rb"), a handler's rfile)."""
+
+    def readline(self, size: int = -1, /) -> bytes: ...
+
+    def read(self, size: int = -1, /) -> bytes | None: ...
+
+
+class AuthError(InputError):
+    """The other end did not prove the pair secret, or a line failed its check."""
+
+
+def _mac(key: bytes, *parts: str) -> str:
+    return hmac.new(key, "\n".join(parts).encode(), hashlib.sha256).hexdigest()
+
+
+def read_line(rfile: Reader, where: str, limit: int = MAX_LINE) -> dict[str, Any]:
+    raw = rfile.readline(limit)
+    if not raw:
+        raise AuthError(f"{where} closed the connection")
+    if not raw.endswith(b"\n"):
+        raise AuthError(f"{where} sent a line longer than {limit} bytes")
+    try:
+        msg = json.loads(raw)
+    except ValueError:
+        raise AuthError(f"{where} sent a malformed line: {raw[:80]!r}") from None
+    if not isinstance(msg, dict):
+        raise AuthError(f"{where} sent a malformed line: {raw[:80]!r}")
+    return msg
+
+
+def _write(sock: socket.socket, msg: dict[str, Any]) -> None:
+    sock.sendall(json.dumps(msg, separators=(",", ":")).encode() + b"\n")
+
+
+class Channel:
+    """JSON lines with a MAC each, both ways, after a handshake (``accept``/``connect``).
+    ``sock`` and ``rfile`` stay usable for bulk bytes between lines."""
+
+    def __init__(self, sock: socket.socket, rfile: Reader, key: bytes, me: str, peer: str):
+        self.sock, self.rfile = sock, rfile
+        self._key, self._me, self._peer = key, me, peer
+        self._sent = self._received = 0
+        self.where = peer
+
+    def send(self, msg: dict[str, Any]) -> None:
+        body = json.dumps(msg, separators=(",", ":"), sort_keys=True)
+        mac = _mac(self._key, self._me, str(self._sent), body)
+        self._sent += 1
+        self.sock.sendall(json.dumps({"m": body, "mac": mac}).encode() + b"\n")
+
+    def recv(self) -> dict[str, Any]:
+        line = read_line(self.rfile, self.where)
+        body, mac = line.get("m"), line.get("mac")
+        want = _mac(self._key, self._peer, str(self._received), str(body))
+        if not (isinstance(body, str) and isinstance(mac, str) and hmac.compare_digest(mac, want)):
+            raise AuthError(f"{self.where} sent a line that fails its authentication check")
+        self._received += 1
+        msg = json.loads(body)
+        if not isinstance(msg, dict):
+            raise AuthError(f"{self.where} sent a malformed message")
+        return msg
+
+
+def accept(sock: socket.socket, rfile: Reader, key: bytes, service: str, peer: str) -> Channel:
+    """The server's side: challenge, check the client's proof (refusing it with a line
+    and AuthError), prove the secret back. ``peer`` names the client in messages."""
+    ns = secrets.token_hex(16)
+    _write(sock, {"linkctl": "auth", "v": VERSION, "service": service, "nonce": ns})
+    reply = read_line(rfile, peer, 1024)
+    nc, mac = reply.get("nonce"), reply.get("mac")
+    ok = (
+        isinstance(nc, str)
+        and len(nc) == 32
+        and isinstance(mac, str)
+        and hmac.compare_digest(mac, _mac(key, "client", service, ns, nc))
+    )
+    if not ok:
+        _write(sock, {"ok": False, "error": "not authenticated: this host's pair secret differs"})
+        raise AuthError(f"{peer} did not prove the pair secret")
+    _write(sock, {"ok": True, "mac": _mac(key, "server", service, ns, str(nc))})
+    return Channel(sock, rfile, _session_key(key, service, ns, str(nc)), "server", "client")
+
+
+def connect(sock: socket.socket, rfile: Reader, key: bytes, service: str, peer: str) -> Channel:
+    """The client's side: answer the challenge, then check the server's proof."""
+    hello = read_line(rfile, peer, 1024)
+    ns = hello.get("nonce")
+    if hello.get("linkctl") != "auth" or not isinstance(ns, str) or len(ns) != 32:
+        raise AuthError(f"{peer} is not a linkctl {service} (no authentication offered)")
+    if hello.get("v") != VERSION or hello.get("service") != service:
+        raise AuthError(
+            f"{peer} offers {hello.get('service')} v{hello.get('v')}, not {service} v{VERSION}"
+        )
+    nc = secrets.token_hex(16)
+    _write(sock, {"nonce": nc, "mac": _mac(key, "client", service, ns, nc)})
+    reply = read_line(rfile, peer, 1024)
+    if reply.get("ok") is not True:
+        raise AuthError(f"{peer} refused this host: {reply.get('error')}")
+    mac = reply.get("mac")
+    if not (
+        isinstance(mac, str) and hmac.compare_digest(mac, _mac(key, "server", service, ns, nc))
+    ):
+        raise AuthError(f"{peer} did not prove the pair secret")
+    return Channel(sock, rfile, _session_key(key, service, ns, nc), "client", "server")
+
+
+def _session_key(key: bytes, service: str, ns: str, nc: str) -> bytes:
+    return hmac.new(key, "\n".join(("session", service, ns, nc)).encode(), "sha256").digest()

@@ -1,0 +1,193 @@
+"""The pair secret and the authenticated channel (linkctl/trust), on loopback: the
+handshake both ways, a wrong secret refused at either end, a recorded handshake and a
+changed line refused, the agent's per-address and total bounds, the key commands."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import socket
+import threading
+
+import pytest
+
+from linkctl.core.errors import InputError
+from linkctl.disagg import kvxfer
+from linkctl.trust import secret, session
+from linkctl.trust.secret import PairSecret
+from support.cli import linkctl
+
+LO = ipaddress.IPv4Network("127.0.0.0/8")
+KEY = PairSecret(os.urandom(32), "test")
+OTHER = PairSecret(os.urandom(32), "other")
+
+
+def pair_of_sockets():
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    c = socket.create_connection(srv.getsockname())
+    s, _ = srv.accept()
+    srv.close()
+    return s, c
+
+
+def handshake(server_key: bytes, client_key: bytes):
+    """Both sides at once; (server result, client result), each a Channel or the error."""
+    s, c = pair_of_sockets()
+    out: dict[str, object] = {}
+
+    def server():
+        try:
+            out["s"] = session.accept(s, s.makefile("rb"), server_key, "t", "client")
+        except session.AuthError as e:
+            out["s"] = e
+
+    t = threading.Thread(target=server)
+    t.start()
+    try:
+        out["c"] = session.connect(c, c.makefile("rb"), client_key, "t", "server")
+    except session.AuthError as e:
+        out["c"] = e
+    t.join(10)
+    return out["s"], out["c"], (s, c)
+
+
+def test_both_ends_prove_the_secret_and_lines_cross():
+    srv, cli, _ = handshake(KEY.key, KEY.key)
+    assert isinstance(srv, session.Channel) and isinstance(cli, session.Channel)
+    cli.send({"op": "x"})
+    assert srv.recv() == {"op": "x"}
+    srv.send({"ok": True})
+    assert cli.recv() == {"ok": True}
+
+
+def test_a_wrong_secret_is_refused_before_anything_is_said():
+    srv, cli, _ = handshake(KEY.key, OTHER.key)
+    assert isinstance(srv, session.AuthError) and "did not prove" in srv.message
+    assert isinstance(cli, session.AuthError) and "refused this host" in cli.message
+
+
+def test_a_recorded_handshake_does_not_open_another_connection():
+    """Replay: the client's proof from one connection, sent on a new one, is refused
+    (the server's nonce is fresh each time)."""
+    import hmac
+
+    s, c = pair_of_sockets()
+    s.sendall(json.dumps({"nonce": "cd" * 16}).encode() + b"\n")  # a challenge once sent
+    hello = json.loads(c.makefile("rb").readline())
+    nc = "ab" * 16
+    mac = hmac.new(KEY.key, "\n".join(("client", "t", hello["nonce"], nc)).encode(), "sha256")
+    recorded = {"nonce": nc, "mac": mac.hexdigest()}  # a valid proof, for that connection
+    s.close()
+    c.close()
+    s, c = pair_of_sockets()
+
+    def server():
+        with pytest.raises(session.AuthError):
+            session.accept(s, s.makefile("rb"), KEY.key, "t", "client")
+
+    t = threading.Thread(target=server)
+    t.start()
+    f = c.makefile("rb")
+    f.readline()  # a new challenge
+    c.sendall(json.dumps(recorded).encode() + b"\n")
+    assert json.loads(f.readline()) == {
+        "ok": False,
+        "error": "not authenticated: this host's pair secret differs",
+    }
+    t.join(10)
+
+
+def test_a_changed_or_replayed_line_is_refused():
+    srv, cli, (s, c) = handshake(KEY.key, KEY.key)
+    cli.send({"op": "get", "name": "a"})
+    line = s.makefile("rb").readline()  # what crossed, read off the wire
+    msg = json.loads(line)
+    forged = {"m": msg["m"].replace('"a"', '"b"'), "mac": msg["mac"]}
+    c.sendall(json.dumps(forged).encode() + b"\n")
+    with pytest.raises(session.AuthError, match="fails its authentication"):
+        srv.recv()
+    srv2, _cli2, (_s2, c2) = handshake(KEY.key, KEY.key)
+    c2.sendall(line)  # a line of another connection
+    with pytest.raises(session.AuthError, match="fails its authentication"):
+        srv2.recv()
+
+
+@pytest.fixture
+def areas(tmp_path):
+    d = {"kv": tmp_path / "kv", "models": tmp_path / "models"}
+    for p in d.values():
+        p.mkdir()
+    return d
+
+
+def test_the_agent_refuses_a_peer_without_the_secret_and_keeps_the_file(areas, tmp_path):
+    target = areas["models"] / "m.gguf"
+    target.write_bytes(b"original")
+    evil = tmp_path / "evil.gguf"
+    evil.write_bytes(b"planted")
+    with kvxfer.Agent("127.0.0.1", 0, areas, LO, KEY) as a:
+        with pytest.raises(kvxfer.TransferError, match="refused this host"):
+            kvxfer.put("127.0.0.1", a.port, "models", evil, name="m.gguf", secret=OTHER)
+        with pytest.raises(kvxfer.TransferError, match="refused this host"):
+            kvxfer.fetch(
+                "127.0.0.1", a.port, "models", "m.gguf", tmp_path / "x", delete=True, secret=OTHER
+            )
+        # The holder of the secret is still served.
+        got = kvxfer.stat("127.0.0.1", a.port, "models", "m.gguf", secret=KEY)
+    assert got["size"] == len(b"original") and target.read_bytes() == b"original"
+    assert sorted(p.name for p in areas["models"].iterdir()) == ["m.gguf"]
+
+
+def test_the_agent_bounds_unproven_and_total_connections(areas):
+    """A host that cannot prove the secret holds at most MAX_UNPROVEN connections, for
+    AUTH_TIMEOUT_S each; the pair is served throughout."""
+    (areas["kv"] / "a.kv").write_bytes(b"1234")
+    with kvxfer.Agent("127.0.0.1", 0, areas, LO, KEY) as a:
+        idle = [socket.create_connection(("127.0.0.1", a.port)) for _ in range(40)]
+        try:
+            challenged = 0
+            for s in idle:
+                s.settimeout(2)
+                challenged += bool(s.makefile("rb").readline())
+            # Past MAX_UNPROVEN from one address, each is closed at once.
+            assert challenged == kvxfer.MAX_UNPROVEN
+            st = kvxfer.stat("127.0.0.1", a.port, "kv", "a.kv", secret=KEY, source="127.0.0.2")
+            assert st["size"] == 4
+        finally:
+            for s in idle:
+                s.close()
+
+
+def test_secret_file_is_private_and_refused_when_not(tmp_path, monkeypatch):
+    monkeypatch.setenv("LINKCTL_STATE_DIR", str(tmp_path))
+    with pytest.raises(InputError, match="no pair secret for profile p"):
+        secret.load("p")
+    path = secret.store("p", KEY.key)
+    assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o777 == 0o700
+    assert secret.load("p").key == KEY.key
+    path.chmod(0o644)
+    with pytest.raises(InputError, match="mode 0644: other users can read it"):
+        secret.load("p")
+
+
+def test_key_commands_new_show_set(tmp_path):
+    env = {**os.environ, "LINKCTL_STATE_DIR": str(tmp_path / "a")}
+    r = linkctl("key", "new", "--profile", "dgx-mac", env=env)
+    assert r.returncode == 0, r.stderr
+    again = linkctl("key", "new", "--profile", "dgx-mac", env=env)
+    assert again.returncode == 2 and "already has a pair secret" in again.stderr
+    exported = linkctl("key", "show", "--export", "--profile", "dgx-mac", env=env).stdout
+    env_b = {**os.environ, "LINKCTL_STATE_DIR": str(tmp_path / "b")}
+    bad = linkctl("key", "set", "--profile", "dgx-mac", env=env_b, input="xyz\n")
+    assert bad.returncode == 2 and "not 64 hex digits" in bad.stderr
+    assert not (tmp_path / "b" / "keys").exists()  # a refusal changes nothing
+    r = linkctl("key", "set", "--profile", "dgx-mac", env=env_b, input=exported)
+    assert r.returncode == 0, r.stderr
+    shown = [
+        json.loads(linkctl("key", "show", "--json", "--profile", "dgx-mac", env=e).stdout)
+        for e in (env, env_b)
+    ]
+    assert shown[0]["fingerprint"] == shown[1]["fingerprint"]
