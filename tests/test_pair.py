@@ -37,6 +37,7 @@ def ann(**kw) -> Announcement:
         protocol=1,
         linkctl=__version__,
         nonce="0" * 32,
+        key_share="0" * 63 + "9",
         host="spark",
         os="linux",
         interface="enP7s7",
@@ -253,6 +254,18 @@ def test_two_hosts_pair_set_up_and_probe(make_lab, tmp_path):
         h: [ln for ln in r.stderr.splitlines() if "pairing code:" in ln] for h, r in out.items()
     }
     assert codes["dgx"][0].split("code: ")[1] == codes["mac"][0].split("code: ")[1]
+    # One pair secret, agreed over the cable (X25519), 0600 on both; never printed.
+    keys = {h: Path(lab.info["root"]) / "hosts" / h / "keys" / "paired.key" for h in out}
+    assert keys["dgx"].read_bytes() == keys["mac"].read_bytes()
+    assert {k.stat().st_mode & 0o777 for k in keys.values()} == {0o600}
+    for r in out.values():
+        assert keys["dgx"].read_text().strip() not in r.stdout + r.stderr
+    fps = {
+        h: [ln for ln in r.stderr.splitlines() if "pair secret: wrote" in ln]
+        for h, r in out.items()
+    }
+    first = {h: ln[0].split("fingerprint ")[1].split(",")[0] for h, ln in fps.items()}
+    assert first["dgx"] == first["mac"]
     for h, r in out.items():
         assert "probe -> " in r.stderr and ": PASS (" in r.stderr, r.stderr[-2000:]
         assert f"sudo linkctl up --profile paired --host {h}" in r.stdout
@@ -269,6 +282,9 @@ def test_two_hosts_pair_set_up_and_probe(make_lab, tmp_path):
         d = json.loads(r.stdout)
         assert d["dry_run"] and d["profile_path"] is None and d["profile_name"] == "paired"
         assert d["interface"] == prof.host(h).interface and d["peer"]["host"] != h
+    # A new pairing agrees a new secret (fresh key shares), the same on both.
+    fresh = {json.loads(r.stdout)["key_fingerprint"] for r in out.values()}
+    assert len(fresh) == 1 and fresh != {first["dgx"]}
 
 
 def test_a_third_host_on_a_bridge_stops_the_pairing_and_nothing_is_written(make_lab, tmp_path):

@@ -20,11 +20,17 @@ MAX_CLOCK_SKEW_S = 120.0  # probe reports and calibrations carry times both host
 JUMBO = 9000
 
 
+def transcript(a: Announcement, b: Announcement) -> bytes:
+    """Both announcements' digest, the same whichever host computes it."""
+    both = sorted(json.dumps(x.model_dump(mode="json"), sort_keys=True) for x in (a, b))
+    return hashlib.sha256("\n".join(both).encode()).digest()
+
+
 def code(a: Announcement, b: Announcement) -> str:
     """The short code both screens show: the same on both hosts only for these two
-    announcements (a third host's differs), like Bluetooth's numeric comparison."""
-    both = sorted(json.dumps(x.model_dump(mode="json"), sort_keys=True) for x in (a, b))
-    n = int.from_bytes(hashlib.sha256("\n".join(both).encode()).digest()[:8], "big")
+    announcements, key shares included (a third host's differs), like Bluetooth's
+    numeric comparison."""
+    n = int.from_bytes(transcript(a, b)[:8], "big")
     digits = f"{n % 1_000_000:06d}"
     return f"{digits[:3]}-{digits[3:]}"
 

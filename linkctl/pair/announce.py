@@ -43,6 +43,9 @@ class Announcement(BaseModel):
     protocol: Literal[1]
     linkctl: Short
     nonce: str = Field(pattern=r"^[0-9a-f]{32}$")
+    # This host's X25519 public share: the pair secret is agreed from both
+    # (linkctl.trust.agreement), and the pairing code covers them.
+    key_share: str = Field(pattern=r"^[0-9a-f]{64}$")
     host: str = Field(pattern=HOST_NAME_PATTERN)
     os: Literal["linux", "macos"]
     interface: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,15}$")
@@ -112,11 +115,12 @@ class Local:
     networks: tuple[str, ...]
 
 
-def announcement(local: Local, wants: Wants, version: str) -> Announcement:
+def announcement(local: Local, wants: Wants, version: str, key_share: str) -> Announcement:
     return Announcement(
         protocol=PROTOCOL,
         linkctl=version,
         nonce=secrets.token_hex(16),
+        key_share=key_share,
         host=local.host,
         os=local.os,  # type: ignore[arg-type]
         interface=local.interface,

@@ -25,6 +25,9 @@ from linkctl.net.netstate import LinkFacts
 from linkctl.pair import agree, iface
 from linkctl.pair.announce import Announcement, Local, Wants, announcement, host_name
 from linkctl.pair.wire import PORT, Channel, Message
+from linkctl.trust import secret
+from linkctl.trust.agreement import KeyShare
+from linkctl.trust.secret import PairSecret
 
 ANNOUNCE_EVERY_S = 1.0
 SETTLE_S = 2.0  # after the first peer, listen this long for a second one
@@ -64,6 +67,7 @@ class PairResult:
     probe_ok: bool | None = None
     up_lines: list[str] = field(default_factory=list)
     dry_run: bool = False
+    key_fingerprint: str = ""  # the pair secret's (linkctl key show), the same on both
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -322,7 +326,8 @@ def pair(
         dry_run=opts.dry_run,
         setup=opts.setup,
     )
-    me = announcement(local, wants, __version__)
+    share = KeyShare()
+    me = announcement(local, wants, __version__, share.public)
     say(
         f"this host: {me.host}, {me.accelerator or 'no accelerator (CPU)'} "
         f"({me.device or 'not in the catalog'}), {me.usable_gb:g} GiB usable, "
@@ -374,11 +379,15 @@ def pair(
             f"on {h.name}: sudo linkctl up --profile {prof.name} --host {h.name}"
             for h in prof.hosts
         ]
+        pair_key = PairSecret(share.secret(p.key_share, agree.transcript(me, p)), "pair")
+        res.key_fingerprint = pair_key.fingerprint
         if opts.dry_run:
             return res
         path = opts.write or _profile_path(prof.name)
         res.profile_path, res.diff = str(path), write_profile(path, text)
         say(f"profile: wrote {path}" + (" (changed, diff below)" if res.diff else ""))
+        key_file = secret.store(prof.name, pair_key.key)
+        say(f"pair secret: wrote {key_file} (fingerprint {pair_key.fingerprint}, the same there)")
         if opts.setup:
             _setup_and_probe(prof, me, peer, backend, ex, res, say, opts.window_s)
     return res
@@ -427,7 +436,6 @@ def _setup_and_probe(
     from linkctl.probe import run_probe
     from linkctl.probe.report import save
     from linkctl.probe.responder import Responder
-    from linkctl.trust.secret import load as load_secret
 
     host, other = prof.host(me.host), prof.host(peer.ann.host)
     r = link.setup(prof, host, backend)
@@ -440,7 +448,7 @@ def _setup_and_probe(
         spec.iperf_port,
         runner=backend.runner,
         host=host.name,
-        secret=load_secret(prof.name),
+        secret=secret.load(prof.name),
     )
     responder.start()
     try:

@@ -22,7 +22,8 @@ from linkctl.pair.wire import GROUP, PORT
 def main() -> int:
     ifname, mode, extra, seconds = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
     ann = {
-        "protocol": 1, "linkctl": __version__, "nonce": "f" * 32, "host": "fake", "os": "linux",
+        "protocol": 1, "linkctl": __version__, "nonce": "f" * 32, "key_share": "e" * 64,
+        "host": "fake", "os": "linux",
         "interface": ifname, "mac": "02:00:00:00:00:99", "accelerator": "", "memory_gb": 512.0,
         "usable_gb": 500.0, "max_mtu": 9000, "networks": [],
     }  # fmt: skip
