@@ -114,6 +114,7 @@ def preflight(
     from linkctl.llama.bins import find_bins, server_version
     from linkctl.net import link
     from linkctl.probe.responder import iperf3_path
+    from linkctl.trust.secret import load as load_secret
 
     require_root("up configures the link and installs the services")
     if h.os != backend.os_name:
@@ -142,6 +143,7 @@ def preflight(
         model_path_check(prof.serve.model)
         serve_auth(prof)
     iperf3_path(runner)
+    load_secret(prof.name)  # the responder and the kv-agent answer only its holders
     mgr = svc.manager_for(h)
     if runner.which(mgr.tool) is None:
         raise InputError(

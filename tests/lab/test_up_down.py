@@ -186,6 +186,15 @@ def test_up_refuses_before_changing_anything(downed: Pair):
     r = p.linkctl(p.head, "up", "--host", p.rpc)
     assert r.returncode == 2, r.stderr
     assert "is not on this machine" in r.stderr and "--host" in r.stderr
+    # No pair secret on this host: the responder and the kv-agent could answer no one.
+    key = p.c(p.head).root / "var/lib/linkctl/keys" / f"{p.bl.profile.name}-lab.key"
+    key.rename(key.with_suffix(".aside"))
+    try:
+        r = p.linkctl(p.head, "up")
+    finally:
+        key.with_suffix(".aside").rename(key)
+    assert r.returncode == 2, r.stderr
+    assert "no pair secret for profile" in r.stderr and "linkctl pair" in r.stderr
     for n in p.bl.containers:
         assert_same(p.before[n], kit.host_state(p.c(n)), n)
 

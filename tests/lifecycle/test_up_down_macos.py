@@ -18,6 +18,7 @@ from linkctl.core.records import CalibrationFile, CalibrationRecord, dump
 from linkctl.lifecycle.down import down
 from linkctl.lifecycle.up import UpOptions, Waits, up
 from linkctl.net import link
+from linkctl.trust import secret
 from support.macos_replay import (
     MTU_BACK,
     SETDHCP,
@@ -46,6 +47,7 @@ def mac_machine(tmp_path, monkeypatch):
     rec = CalibrationRecord(host="mac", measured_at="2026-12-01T10:00:00Z", build=BUILD)
     state.mkdir()
     (state / "calibration.json").write_text(dump(CalibrationFile(hosts={"mac": rec})))
+    secret.store("dgx-mac", secret.generate())  # as `linkctl pair` leaves it
     root = make_target(tmp_path / "root")
     llama = tmp_path / "llama"  # real, for up's own check; the same path inside root
     for d in (llama, root / str(llama).lstrip("/")):
