@@ -18,6 +18,10 @@ authenticated) before any request is read. One request per connection:
     {"op": "model"}
         <- {"ok": true, "path": P, "size": S, "sha256": HEX, "kv_layout": {...}}
            (linkctl.disagg.fingerprint.ModelFingerprint.as_wire)
+    {"op": "server"}
+        <- {"ok": true, "ours": bool, "why": "..."}: whether what listens on this
+           host's prefill port is the llama-server this serve started (route asks
+           before it sends the prefill server a key or a prompt)
 
 A failure is {"ok": false, "error": "..."}. The file bytes cross as they are; the
 SHA-256 after them travels in an authenticated line. A put writes N.part and renames it only
@@ -65,6 +69,8 @@ AUTH_TIMEOUT_S = 5.0
 IDLE_TIMEOUT_S = 120.0
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
+# None when the prefill server listening is the one this serve started, else why not.
+ServerCheck = Callable[[], str | None]
 
 
 class TransferError(InputError):
@@ -173,6 +179,11 @@ class _Handler(socketserver.StreamRequestHandler):
         if op == "model":
             fp = fingerprint(self.server.model or "", self.server.kv)
             self.ch.send({"ok": True, **fp.as_wire()})
+            return
+        if op == "server":
+            check = self.server.server_check
+            why = check() if check else "this kv-agent started no llama-server"
+            self.ch.send({"ok": True, "ours": why is None, "why": why or ""})
             return
         area = self.server.areas.get(str(req.get("area")))
         if area is None:
@@ -298,9 +309,10 @@ class _Server(socketserver.ThreadingTCPServer):
         key: bytes,
         model: str | None,
         kv: KvLayout | None,
+        server_check: ServerCheck | None,
     ):
         self.areas, self.allowed, self.log, self.model = areas, allowed, log, model
-        self.key, self.kv = key, kv
+        self.key, self.kv, self.server_check = key, kv, server_check
         self._writing: set[Path] = set()
         self._writing_lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
@@ -379,6 +391,7 @@ class Agent:
         log: Callable[[str], None] | None = None,
         model: str | None = None,
         kv: KvLayout | None = None,
+        server_check: ServerCheck | None = None,
     ):
         check_bind(bind, subnet)
         for name, d in areas.items():
@@ -387,7 +400,14 @@ class Agent:
         dirs = {k: Path(v) for k, v in areas.items()}
         try:
             self.server = _Server(
-                (bind, port), dirs, subnet, log or (lambda _m: None), secret.key, model, kv
+                (bind, port),
+                dirs,
+                subnet,
+                log or (lambda _m: None),
+                secret.key,
+                model,
+                kv,
+                server_check,
             )
         except OSError as e:
             raise InputError(
@@ -534,6 +554,15 @@ def remote_model(
     """The fingerprint of the model the agent's host serves, with the KV layout its
     llama-server runs."""
     return ModelFingerprint.from_wire(_ask(host, port, secret, {"op": "model"}, source, timeout))
+
+
+def prefill_server_is_ours(
+    host: str, port: int, *, secret: PairSecret, source: str | None = None, timeout: float = 10.0
+) -> str | None:
+    """None when the agent vouches that its host's prefill port is held by the
+    llama-server its serve started; else why not (route then keeps the prompt here)."""
+    got = _ask(host, port, secret, {"op": "server"}, source, timeout)
+    return None if got.get("ours") is True else str(got.get("why") or "not vouched for")
 
 
 def _ask(

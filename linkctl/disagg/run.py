@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from typing import IO, TYPE_CHECKING
 
 from linkctl.core.errors import LinkctlError
@@ -29,8 +30,32 @@ if TYPE_CHECKING:
     from linkctl.net.backend import Backend
 
 
+def listening_child(sup: Supervisor, address: str, port: int) -> str | None:
+    """None when ``address:port`` is held by the server ``sup`` runs now; else why not
+    (stopped, restarting, or another process took the port meanwhile)."""
+    import psutil
+
+    proc = sup.proc
+    if proc is None or proc.poll() is not None:
+        return "the prefill llama-server is not running (restarting, or stopped)"
+    try:
+        conns = psutil.Process(proc.pid).net_connections(kind="tcp")
+    except psutil.Error as e:
+        return f"cannot read the prefill server's sockets: {e}"
+    if any(
+        c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.laddr.ip == address
+        for c in conns
+    ):
+        return None
+    return f"{address}:{port} is not held by the llama-server serve started (pid {proc.pid})"
+
+
 def start_agent(
-    profile: Profile, host: HostSpec, kv: KvLayout, log: IO[str] | None = None
+    profile: Profile,
+    host: HostSpec,
+    kv: KvLayout,
+    log: IO[str] | None = None,
+    server_check: Callable[[], str | None] | None = None,
 ) -> Agent:
     """The kv-agent on this host's link address, serving the kv and models areas, and
     telling the head the model and KV layout this host's llama-server runs (``kv``)."""
@@ -49,6 +74,7 @@ def start_agent(
         log=say,
         model=prefill_model_path(profile),
         kv=kv,
+        server_check=server_check,
     ).start()
     say(f"listening on {host.ip}:{agent.port} (peers {profile.link.subnet} only)")
     return agent
@@ -72,18 +98,22 @@ def run_prefill(
     # from requests whose transfer failed before a restart.
     for stale in kv_dir().glob("linkctl-*.kv*"):
         stale.unlink(missing_ok=True)
-    agent = start_agent(profile, host, plan.prefill.kv, log)
+    model = plan.prefill.model
+
+    def model_here() -> str | None:
+        # The agent is up already, so `linkctl model sync` on the head can bring it.
+        if os.path.isfile(model):
+            return None
+        return f"no model at {model}: run `linkctl model sync` on {profile.head.name}"
+
+    spec = llama_server_child(plan.prefill, before_start=model_here)
+    sup = Supervisor(spec, policy=policy, log=log, status_path=status_path("prefill"))
+    inv = plan.prefill
+    agent = start_agent(
+        profile, host, inv.kv, log, lambda: listening_child(sup, inv.host, inv.port)
+    )
     try:
-        model = plan.prefill.model
-
-        def model_here() -> str | None:
-            # The agent is up already, so `linkctl model sync` on the head can bring it.
-            if os.path.isfile(model):
-                return None
-            return f"no model at {model}: run `linkctl model sync` on {profile.head.name}"
-
-        spec = llama_server_child(plan.prefill, before_start=model_here)
-        return Supervisor(spec, policy=policy, log=log, status_path=status_path("prefill")).run()
+        return sup.run()
     finally:
         agent.stop()
 
