@@ -11,7 +11,7 @@ Brings up its own lab (`linkctl lab up --profile P --name <unique>`: namespaces,
 setup` on every host (link addresses, MTU), and with --rate (default 10gbit: a
 direct 10GbE cable; 0: the bare veth) holds each direction of the link to that
 rate with the lab's own tbf shaping (linkctl.lab.netns.shape, what `lab demo --rate`
-uses). On the prefill host it starts a kv-agent (linkctl.disagg.kvxfer.Agent on its
+uses). On the prefill host it starts a kv-agent (linkctl.disagg.kvagent.Agent on its
 link address, area "kv", the lab's pair secret) and `iperf3 -s` on the same address,
 and writes one random slot file of --mib MiB into the kv area. Then per round, from
 the head:
@@ -70,7 +70,7 @@ SLOT = "bench-slot.bin"
 AGENT = r"""
 import ipaddress, json, sys
 from pathlib import Path
-from linkctl.disagg.kvxfer import Agent
+from linkctl.disagg.kvagent import Agent
 from linkctl.trust.secret import load
 bind, port, area, subnet, profile = sys.argv[1:6]
 log = lambda m: print(m, file=sys.stderr, flush=True)

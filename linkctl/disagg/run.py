@@ -24,7 +24,7 @@ from linkctl.serve.run import llama_server_child
 from linkctl.serve.supervise import Policy, Supervisor
 
 if TYPE_CHECKING:
-    from linkctl.disagg.kvxfer import Agent
+    from linkctl.disagg.kvagent import Agent
     from linkctl.disagg.route import RouteServer
     from linkctl.llama.invocation import KvLayout
     from linkctl.net.backend import Backend
@@ -59,13 +59,13 @@ def start_agent(
 ) -> Agent:
     """The kv-agent on this host's link address, serving the kv and models areas, and
     telling the head the model and KV layout this host's llama-server runs (``kv``)."""
-    from linkctl.disagg import kvxfer
+    from linkctl.disagg import kvagent
     from linkctl.trust.secret import load
 
     private_dir(kv_dir())
     make_dirs(models_dir())
     say = speaker("kv-agent", log)
-    agent = kvxfer.Agent(
+    agent = kvagent.Agent(
         host.ip,
         profile.serve.disagg.agent_port,
         {"kv": kv_dir(), "models": models_dir()},

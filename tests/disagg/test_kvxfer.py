@@ -12,7 +12,7 @@ import time
 import pytest
 
 from linkctl.core.errors import InputError
-from linkctl.disagg import kvxfer
+from linkctl.disagg import kvagent, kvxfer
 from linkctl.disagg.fingerprint import fingerprint
 from linkctl.trust import session
 from linkctl.trust.secret import PairSecret
@@ -33,7 +33,7 @@ def test_fetch_checksummed_and_deleted(areas, tmp_path):
     data = os.urandom(3 * kvxfer.CHUNK + 123)
     (areas["kv"] / "slot.kv").write_bytes(data)
     seen = []
-    with kvxfer.Agent("127.0.0.1", 0, areas, LO, KEY) as a:
+    with kvagent.Agent("127.0.0.1", 0, areas, LO, KEY) as a:
         res = kvxfer.fetch(
             "127.0.0.1",
             a.port,
@@ -58,7 +58,7 @@ def test_put_resumes_a_matching_partial_and_restarts_a_foreign_one(areas, tmp_pa
     part = areas["models"] / "m.gguf.part"
     part.write_bytes(data[:1000])
     part.chmod(0o644)  # written before: its mode is made private as it resumes
-    with kvxfer.Agent("127.0.0.1", 0, areas, LO, KEY) as a:
+    with kvagent.Agent("127.0.0.1", 0, areas, LO, KEY) as a:
         res = kvxfer.put("127.0.0.1", a.port, "models", src, secret=KEY)
         assert res.resumed_from == 1000 and res.bytes == len(data) - 1000
         assert (areas["models"] / "m.gguf").read_bytes() == data and not part.exists()
@@ -97,20 +97,20 @@ def test_checksum_mismatch_keeps_nothing(tmp_path):
 
 def test_agent_refuses_wildcard_other_peers_and_paths(areas, tmp_path):
     with pytest.raises(InputError, match="wildcard"):
-        kvxfer.Agent("0.0.0.0", 0, areas, LO, KEY)
+        kvagent.Agent("0.0.0.0", 0, areas, LO, KEY)
     with pytest.raises(InputError, match="not on the link subnet"):
-        kvxfer.Agent("127.0.0.1", 0, areas, ipaddress.IPv4Network("198.18.100.0/24"), KEY)
+        kvagent.Agent("127.0.0.1", 0, areas, ipaddress.IPv4Network("198.18.100.0/24"), KEY)
     (areas["kv"] / "a.kv").write_bytes(b"1234")
     # Only peers on the link subnet: 127.0.0.1 is not in 127.0.0.2/32.
     only = ipaddress.IPv4Network("127.0.0.2/32")
     with (
-        kvxfer.Agent("127.0.0.2", 0, areas, only, KEY) as a,
+        kvagent.Agent("127.0.0.2", 0, areas, only, KEY) as a,
         pytest.raises(kvxfer.TransferError, match="closed"),
     ):
         kvxfer.fetch(
             "127.0.0.2", a.port, "kv", "a.kv", tmp_path / "a", source="127.0.0.1", secret=KEY
         )
-    with kvxfer.Agent("127.0.0.1", 0, areas, LO, KEY) as a:
+    with kvagent.Agent("127.0.0.1", 0, areas, LO, KEY) as a:
         for bad in ("../a.kv", "a/b", ".hidden", "x.part", "a.kv\n"):
             with pytest.raises(InputError, match="not allowed"):
                 kvxfer.fetch("127.0.0.1", a.port, "kv", bad, tmp_path / "a", secret=KEY)
@@ -138,7 +138,7 @@ def test_agent_reports_the_kv_layout_its_server_runs(areas, tmp_path):
     extra = ["-ctk", "q8_0", "--flash-attn", "on"]
     layout = ServerInvocation("llama-server", "m.gguf").with_extra(extra, "serve.extra_args").kv
     assert layout == KvLayout("q8_0", "f16", "on")
-    with kvxfer.Agent("127.0.0.1", 0, areas, LO, KEY, model=str(model), kv=layout) as a:
+    with kvagent.Agent("127.0.0.1", 0, areas, LO, KEY, model=str(model), kv=layout) as a:
         got = kvxfer.remote_model("127.0.0.1", a.port, secret=KEY)
     assert got == fingerprint(model, layout) and got.size == 4
 
@@ -156,7 +156,7 @@ def test_two_puts_to_one_name_never_mix(areas, tmp_path):
             halfway.set()
             go.wait(30)
 
-    with kvxfer.Agent("127.0.0.1", 0, areas, LO, KEY) as a:
+    with kvagent.Agent("127.0.0.1", 0, areas, LO, KEY) as a:
 
         def put_first() -> None:
             try:
@@ -189,7 +189,7 @@ def test_a_file_rewritten_while_it_is_sent_is_not_kept(areas, tmp_path):
                 f.write(os.urandom(kvxfer.CHUNK))
 
     with (
-        kvxfer.Agent("127.0.0.1", 0, areas, LO, KEY) as a,
+        kvagent.Agent("127.0.0.1", 0, areas, LO, KEY) as a,
         pytest.raises(kvxfer.TransferError, match="changed while it was sent"),
     ):
         kvxfer.fetch(
@@ -205,6 +205,6 @@ def test_partial_files_not_resumed_within_a_day_are_removed(areas):
         p.write_bytes(b"x")
     day_ago = time.time() - kvxfer.PART_KEEP_S - 60
     os.utime(old, (day_ago, day_ago))
-    with kvxfer.Agent("127.0.0.1", 0, areas, LO, KEY):
+    with kvagent.Agent("127.0.0.1", 0, areas, LO, KEY):
         pass
     assert not old.exists() and fresh.exists()

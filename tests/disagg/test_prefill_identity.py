@@ -12,7 +12,7 @@ import sys
 import time
 from types import SimpleNamespace
 
-from linkctl.disagg import kvxfer
+from linkctl.disagg import kvagent, kvxfer
 from linkctl.disagg.run import listening_child
 from linkctl.trust.secret import PairSecret
 
@@ -37,7 +37,7 @@ def listener(port: int) -> subprocess.Popen:
 def test_the_agent_vouches_only_for_the_server_serve_started(tmp_path):
     port = free_port()
     sup = SimpleNamespace(proc=None)  # what run_prefill's Supervisor holds
-    with kvxfer.Agent(
+    with kvagent.Agent(
         "127.0.0.1",
         0,
         {"kv": tmp_path},

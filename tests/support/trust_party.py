@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from linkctl.core.errors import InputError
-from linkctl.disagg import kvxfer
+from linkctl.disagg import kvagent, kvxfer
 from linkctl.probe.latency import EchoClient
 from linkctl.trust import secret
 from linkctl.trust.secret import PairSecret
@@ -40,7 +40,7 @@ def main() -> None:
     if role == "agent":
         areas = {k: Path(v) for k, v in args["areas"].items()}
         net = ipaddress.IPv4Network(args["subnet"])
-        with kvxfer.Agent(args["bind"], 0, areas, net, secret.load(profile)) as a:
+        with kvagent.Agent(args["bind"], 0, areas, net, secret.load(profile)) as a:
             print(f"ready {a.port}", flush=True)
             sys.stdin.read()
         return

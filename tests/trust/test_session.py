@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from linkctl.core.errors import InputError
-from linkctl.disagg import kvxfer
+from linkctl.disagg import kvagent, kvxfer
 from linkctl.trust import secret, session
 from linkctl.trust.secret import PairSecret
 from support.cli import linkctl
@@ -128,7 +128,7 @@ def test_the_agent_refuses_a_peer_without_the_secret_and_keeps_the_file(areas, t
     target.write_bytes(b"original")
     evil = tmp_path / "evil.gguf"
     evil.write_bytes(b"planted")
-    with kvxfer.Agent("127.0.0.1", 0, areas, LO, KEY) as a:
+    with kvagent.Agent("127.0.0.1", 0, areas, LO, KEY) as a:
         with pytest.raises(kvxfer.TransferError, match="refused this host"):
             kvxfer.put("127.0.0.1", a.port, "models", evil, name="m.gguf", secret=OTHER)
         with pytest.raises(kvxfer.TransferError, match="refused this host"):
@@ -145,7 +145,7 @@ def test_the_agent_bounds_unproven_and_total_connections(areas):
     """A host that cannot prove the secret holds at most MAX_UNPROVEN connections, for
     AUTH_TIMEOUT_S each; the pair is served throughout."""
     (areas["kv"] / "a.kv").write_bytes(b"1234")
-    with kvxfer.Agent("127.0.0.1", 0, areas, LO, KEY) as a:
+    with kvagent.Agent("127.0.0.1", 0, areas, LO, KEY) as a:
         idle = [socket.create_connection(("127.0.0.1", a.port)) for _ in range(40)]
         try:
             challenged = 0
@@ -153,7 +153,7 @@ def test_the_agent_bounds_unproven_and_total_connections(areas):
                 s.settimeout(2)
                 challenged += bool(s.makefile("rb").readline())
             # Past MAX_UNPROVEN from one address, each is closed at once.
-            assert challenged == kvxfer.MAX_UNPROVEN
+            assert challenged == kvagent.MAX_UNPROVEN
             st = kvxfer.stat("127.0.0.1", a.port, "kv", "a.kv", secret=KEY, source="127.0.0.2")
             assert st["size"] == 4
         finally:
