@@ -114,7 +114,7 @@ def _pair(
         return [agent, _check("servers match", Verdict.SKIP, None, detail)]
     own = cfg.own_headers()
     try:
-        theirs_p = cfg.prefill.props(own, timeout_s) if cfg.prefill else {}
+        theirs_p = cfg.prefill.props(cfg.prefill_headers(), timeout_s) if cfg.prefill else {}
         mine_p = cfg.decode.props(own, timeout_s)
     except UpstreamError as e:
         detail = f"not both servers answer yet: {e.message}"

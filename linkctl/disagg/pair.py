@@ -71,7 +71,7 @@ def check_pair(
     if cfg.prefill is None:
         return []
     d = wait_props(cfg.decode, wait_s, say, cfg.own_headers())
-    p = wait_props(cfg.prefill, wait_s, say, cfg.own_headers())
+    p = wait_props(cfg.prefill, wait_s, say, cfg.prefill_headers())
     diffs = compare_servers(d, p)
     if fingerprints:
         decode, prefill = fingerprints

@@ -22,6 +22,7 @@ from linkctl.llama.invocation import KvLayout, ServerInvocation
 
 if TYPE_CHECKING:
     from linkctl.disagg.router import RouteConfig
+    from linkctl.trust.secret import PairSecret
 
 
 def kv_dir() -> Path:
@@ -41,11 +42,24 @@ def prefill_model_path(profile: Profile) -> str:
     return str(models_dir() / Path(profile.serve.model or "model.gguf").name)
 
 
+def prefill_key_path() -> Path:
+    """The prefill llama-server's --api-key-file: the key derived from the pair secret
+    (prefill_api_key), written 0600 by serve on the prefill host at each start."""
+    return state_dir() / "serve" / "prefill-api-key"
+
+
+def prefill_api_key(secret: PairSecret) -> str:
+    """The prefill server's API key: only the two hosts holding the pair secret know it,
+    so only route on the head can use that server (issue 25: reachable only by the head),
+    and the users' own keys never cross the link."""
+    return secret.derive("prefill llama-server api key").hex()
+
+
 def server_invocation(
-    profile: Profile, binary: str, model: str, host: str, port: int
+    profile: Profile, binary: str, model: str, host: str, port: int, api_key_file: str | None
 ) -> ServerInvocation:
-    """One of the two servers: the same context, slots, layers, threads, key file and
-    extra arguments on both, so that a slot saved on one restores on the other."""
+    """One of the two servers: the same context, slots, layers, threads and extra
+    arguments on both, so that a slot saved on one restores on the other."""
     s, d = profile.serve, profile.serve.disagg
     inv = ServerInvocation(
         binary,
@@ -56,10 +70,10 @@ def server_invocation(
         ctx=s.ctx,
         slots=d.slots,
         threads=s.threads,
-        # Both servers check the key: route forwards the client's Authorization header
-        # on every call made for the client (linkctl.disagg.route._client_headers) and
-        # uses the first key for its own (/props, slot actions: RouteConfig.own_headers).
-        api_key_file=s.api_key_file,
+        # The decode server checks the users' keys (serve.api_key_file), route forwarding
+        # the client's Authorization; the prefill server only the key derived from the
+        # pair secret, which route alone sends it (RouteConfig.prefill_headers).
+        api_key_file=api_key_file,
         slot_save_path=str(kv_dir()),
         cache_ram_mib=0,
     )
@@ -68,7 +82,7 @@ def server_invocation(
 
 def kv_layout(profile: Profile) -> KvLayout:
     """The KV cache layout both servers run, from the profile."""
-    return server_invocation(profile, "llama-server", "", "127.0.0.1", 0).kv
+    return server_invocation(profile, "llama-server", "", "127.0.0.1", 0, None).kv
 
 
 @dataclass
@@ -117,9 +131,12 @@ def build_plan(
     if not model:
         notes.append("serve.model is empty: set it in the profile or pass --model")
     prefill = server_invocation(
-        profile, binary, prefill_model_path(profile), pre.ip, d.prefill_port
+        profile, binary, prefill_model_path(profile), pre.ip, d.prefill_port,
+        str(prefill_key_path()),
+    )  # fmt: skip
+    decode = server_invocation(
+        profile, binary, model or "MODEL", "127.0.0.1", d.decode_port, s.api_key_file
     )
-    decode = server_invocation(profile, binary, model or "MODEL", "127.0.0.1", d.decode_port)
     role: Literal["prefill", "decode"] = "decode" if host.role == "head" else "prefill"
     if role == "prefill" and host.name != pre.name:
         notes.append(f"{host.name} is not the prefill host ({pre.name}): it runs nothing")

@@ -128,6 +128,24 @@ class RouteConfig:
     def own_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_keys[0]}"} if self.api_keys else {}
 
+    def prefill_headers(self) -> dict[str, str]:
+        """What route sends the prefill server: the key derived from the pair secret,
+        never the client's (the users' keys stay on the head)."""
+        from linkctl.disagg.plan import prefill_api_key
+
+        return {"Authorization": f"Bearer {prefill_api_key(self.secret)}"}
+
+    def check_prefill_server(self) -> None:
+        """Before a key or a prompt goes to the prefill host: its kv-agent (which proved
+        the pair secret) vouches that the port is held by the server its serve started,
+        not a process that took it while serve was down."""
+        assert self.agent_host is not None
+        why = kvxfer.prefill_server_is_ours(
+            self.agent_host, self.agent_port, secret=self.secret, source=self.source
+        )
+        if why is not None:
+            raise kvxfer.TransferError(f"the prefill server is not vouched for: {why}")
+
 
 @dataclass
 class Outcome:
@@ -272,14 +290,17 @@ class Router:
             if kk not in ("stream", "stream_options", "max_tokens", "max_completion_tokens")
         }
         pre |= {"n_predict": 1, "stream": False, "id_slot": k, "cache_prompt": True}
+        o.stage = "identity"
+        cfg.check_prefill_server()
         o.stage = "prefill"
         t = time.monotonic()
-        cfg.prefill.call("POST", path, pre, headers)
+        theirs = cfg.prefill_headers()
+        cfg.prefill.call("POST", path, pre, theirs)
         o.prefill_s = time.monotonic() - t
         o.stage = "save"
         t = time.monotonic()
         own = cfg.own_headers()
-        saved = cfg.prefill.slot(k, "save", name, own)
+        saved = cfg.prefill.slot(k, "save", name, theirs)
         o.save_s = time.monotonic() - t
         o.stage = "transfer"
         dest = cfg.decode_slot_dir / name

@@ -17,11 +17,14 @@ from linkctl.disagg.plan import (
     DisaggPlan,
     kv_dir,
     models_dir,
+    prefill_api_key,
+    prefill_key_path,
     prefill_model_path,
     resolve_route_config,
 )
 from linkctl.serve.run import llama_server_child
 from linkctl.serve.supervise import Policy, Supervisor
+from linkctl.trust.secret import load
 
 if TYPE_CHECKING:
     from linkctl.disagg.kvagent import Agent
@@ -60,7 +63,6 @@ def start_agent(
     """The kv-agent on this host's link address, serving the kv and models areas, and
     telling the head the model and KV layout this host's llama-server runs (``kv``)."""
     from linkctl.disagg import kvagent
-    from linkctl.trust.secret import load
 
     private_dir(kv_dir())
     make_dirs(models_dir())
@@ -106,6 +108,9 @@ def run_prefill(
             return None
         return f"no model at {model}: run `linkctl model sync` on {profile.head.name}"
 
+    # The prefill server's key, from the pair secret; written by this serve, so readable
+    # by the unit's own user whatever it is, and by no other.
+    write_atomic(prefill_key_path(), prefill_api_key(load(profile.name)) + "\n", mode=0o600)
     spec = llama_server_child(plan.prefill, before_start=model_here)
     sup = Supervisor(spec, policy=policy, log=log, status_path=status_path("prefill"))
     inv = plan.prefill

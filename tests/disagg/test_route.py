@@ -100,7 +100,10 @@ def test_route_disaggregated_equals_decode_alone_stream_and_fallback(make_lab, t
     argv = plan["argv"]
     assert argv[argv.index("--host") + 1] == "198.18.100.2"
     assert "--slot-save-path" in argv and argv[argv.index("--cache-ram") + 1] == "0"
-    assert argv[argv.index("--api-key-file") + 1] == str(keyfile)
+    # The prefill server's key is derived from the pair secret (never the users' keys).
+    dgx_key = Path(lab.info["root"]) / "hosts" / "dgx" / "serve" / "prefill-api-key"
+    assert argv[argv.index("--api-key-file") + 1] == str(dgx_key)
+    assert KEY not in " ".join(argv)
 
     pre = Serve(lab, "dgx", "prefill", ["--profile", str(prof)], tmp_path / "dgx.log")
     head = None
@@ -119,6 +122,18 @@ def test_route_disaggregated_equals_decode_alone_stream_and_fallback(make_lab, t
         there = Path(lab.info["root"]) / "hosts" / "dgx" / "models" / "tiny.gguf"
         assert there.read_bytes() == Path(model["path"]).read_bytes()
         pre.wait(lambda s: s["state"] == "ready", 120, "prefill llama-server ready")
+        assert dgx_key.stat().st_mode & 0o777 == 0o600 and KEY not in dgx_key.read_text()
+        # A client on the link holding a user's key cannot use the prefill server: only
+        # route, with the key from the pair secret, can.
+        probe = (
+            "import sys, urllib.request, urllib.error\n"
+            "rq = urllib.request.Request('http://198.18.100.2:8081/completion', b'{}',"
+            " {'Authorization': 'Bearer ' + sys.argv[1]})\n"
+            "try:\n urllib.request.urlopen(rq, timeout=10)\n print(200)\n"
+            "except urllib.error.HTTPError as e:\n print(e.code)\n"
+        )
+        r = lab.exec("mac", sys.executable, "-c", probe, KEY)
+        assert r.stdout.strip() == "401", (r.stdout, r.stderr)
         head = Serve(
             lab, "mac", "head", ["--profile", str(prof), "--skip-probe"], tmp_path / "mac.log"
         )
