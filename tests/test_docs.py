@@ -35,6 +35,7 @@ TOPICS = [
     "serve.md",
     "verify.md",
     "disaggregated.md",
+    "trust.md",
     "boot-services.md",
     "lab.md",
     "performance.md",

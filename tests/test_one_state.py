@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from linkctl.core.records import load_probe
+from linkctl.trust import secret
 from support.cli import linkctl, linkctl_as_nobody, need_tool
 from support.lab import responder
 from support.llama_util import need_llama
@@ -48,6 +49,10 @@ def test_probe_as_root_then_estimate_doctor_and_serve_as_a_user_read_one_report(
             "LINKCTL_HOST": "mac",
         }
         netns = lab.netns("mac")
+        # mac's copy of the pair secret, in the one state (as `linkctl pair` leaves it).
+        mac_state = Path(lab.info["root"]) / "hosts" / "mac"
+        key = secret.load("dgx-mac-lab", mac_state).key
+        secret.store("dgx-mac-lab", key, system_state)
 
         with responder(lab, "dgx"):
             umask_077 = ["sh", "-c", 'umask 077 && exec "$@"', "sh"]

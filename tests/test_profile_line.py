@@ -89,6 +89,13 @@ def test_every_profile_command_names_the_profile_file_first(make_lab, tmp_path):
     run("model sync", "mac", "--dry-run", "--model", m, said_host="mac")
     run("doctor", "mac", "--peer-timeout", "1", said_host="mac")
     run("llama find", "mac", "--host", "mac", "--no-protocol")
+    shown = run("key show", "mac")
+    run("key new", "mac", "--dry-run", "--force")
+    r = lab.exec("mac", "linkctl", "key", "set", "--profile", path, "--json", "--dry-run",
+                 input=bytes(32).hex() + "\n")  # fmt: skip
+    said["key set"] = r.stderr.splitlines()[0]
+    assert r.returncode == 0 and said["key set"] == line(None), r.stderr
+    assert json.loads(r.stdout)["profile_path"] == path and shown["fingerprint"]
     image = ["--root", str(make_target(tmp_path / "image")), "--linkctl-bin", LINKCTL]
     run("up", "dgx", "--dry-run", said_host="dgx")
     run("down", "dgx", "--dry-run", said_host="dgx")

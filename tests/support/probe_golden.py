@@ -161,6 +161,7 @@ class _Echo:
 def build(name: str) -> ProbeReport:
     """One scenario's report, built by run_probe."""
     from linkctl.llama import rpc
+    from linkctl.trust.secret import PairSecret
 
     prof, _ = load_profile("dgx-mac")
     host, peer = prof.host("mac"), prof.host("dgx")
@@ -217,6 +218,9 @@ def build(name: str) -> ProbeReport:
             )
         )
         st.enter_context(mock.patch("linkctl.probe.latency.EchoClient", _Echo))
+        # _Echo stands in for the authenticated responder, so no secret is proved.
+        secret = PairSecret(bytes(32), "golden")
+        st.enter_context(mock.patch("linkctl.trust.secret.load", lambda _profile: secret))
         st.enter_context(mock.patch("linkctl.probe.socket.create_connection", connect))
         st.enter_context(mock.patch("linkctl.llama.rpc.query", query))
         st.enter_context(mock.patch("linkctl.probe.throughput.busy_wait_s", lambda: 0.0))
