@@ -28,6 +28,7 @@ from linkctl.disagg.kvxfer import (
     MAX_UNPROVEN,
     PART_KEEP_S,
     SERVICE,
+    Hasher,
     ServerCheck,
     check_bind,
     check_name,
@@ -118,21 +119,22 @@ class _Handler(socketserver.StreamRequestHandler):
             before = os.fstat(f.fileno())
             size = before.st_size
             self.ch.send({"ok": True, "size": size})
-            h = hashlib.sha256()
-            left = size
-            while left > 0:
-                b = f.read(min(CHUNK, left))
-                if not b:
-                    raise InputError(f"{path} shrank while it was sent")
-                h.update(b)
-                self.connection.sendall(b)
-                left -= len(b)
+            with Hasher() as hw:
+                left = size
+                while left > 0:
+                    b = f.read(min(CHUNK, left))
+                    if not b:
+                        raise InputError(f"{path} shrank while it was sent")
+                    hw.add(b)
+                    self.connection.sendall(b)
+                    left -= len(b)
+                digest = hw.finish()
             after = os.fstat(f.fileno())
         if (after.st_size, after.st_mtime_ns) != (size, before.st_mtime_ns):
             # Rewritten while it was read: the bytes sent are neither version. The
             # receiver gets no checksum line and keeps nothing.
             raise InputError(f"{path.name} changed while it was sent; run the copy again")
-        self.ch.send({"sha256": h.hexdigest()})
+        self.ch.send({"sha256": digest})
         if delete:
             path.unlink(missing_ok=True)
         self.server.log(f"sent {path.name}: {size} bytes")
@@ -161,13 +163,14 @@ class _Handler(socketserver.StreamRequestHandler):
             f.truncate()
             left = size - offset
             try:
-                while left > 0:
-                    b = self.rfile.read(min(CHUNK, left))
-                    if not b:
-                        raise InputError(f"peer closed after {size - left} of {size} bytes")
-                    h.update(b)
-                    f.write(b)
-                    left -= len(b)
+                with Hasher(f, h) as hw:
+                    while left > 0:
+                        b = self.rfile.read(min(CHUNK, left))
+                        if not b:
+                            raise InputError(f"peer closed after {size - left} of {size} bytes")
+                        hw.add(b)
+                        left -= len(b)
+                    got = hw.finish()
                 f.flush()
                 os.fsync(f.fileno())
             except OSError as e:
@@ -180,7 +183,6 @@ class _Handler(socketserver.StreamRequestHandler):
                     f"free space in {path.parent}, then run the copy again",
                 ) from None
         want = self.ch.recv().get("sha256")
-        got = h.hexdigest()
         # The checksum of the bytes on disk, read back: what the stream carried is not
         # proof of what was stored.
         stored = sha_of(part).hexdigest()
