@@ -22,7 +22,6 @@ from linkctl.llama.invocation import KvLayout, ServerInvocation
 
 if TYPE_CHECKING:
     from linkctl.disagg.router import RouteConfig
-    from linkctl.trust.secret import PairSecret
 
 
 def kv_dir() -> Path:
@@ -44,15 +43,9 @@ def prefill_model_path(profile: Profile) -> str:
 
 def prefill_key_path() -> Path:
     """The prefill llama-server's --api-key-file: the key derived from the pair secret
-    (prefill_api_key), written 0600 by serve on the prefill host at each start."""
+    (linkctl.disagg.router.prefill_api_key), written 0600 by serve on the prefill host
+    at each start."""
     return state_dir() / "serve" / "prefill-api-key"
-
-
-def prefill_api_key(secret: PairSecret) -> str:
-    """The prefill server's API key: only the two hosts holding the pair secret know it,
-    so only route on the head can use that server (issue 25: reachable only by the head),
-    and the users' own keys never cross the link."""
-    return secret.derive("prefill llama-server api key").hex()
 
 
 def server_invocation(

@@ -85,6 +85,13 @@ def request_path(raw: str) -> tuple[str, str]:
     return path, target
 
 
+def prefill_api_key(secret: PairSecret) -> str:
+    """The prefill server's API key: only the two hosts holding the pair secret know it,
+    so only route on the head can use that server (issue 25: reachable only by the head),
+    and the users' own keys never cross the link."""
+    return secret.derive("prefill llama-server api key").hex()
+
+
 @dataclass
 class RouteConfig:
     decode: LlamaServer
@@ -131,8 +138,6 @@ class RouteConfig:
     def prefill_headers(self) -> dict[str, str]:
         """What route sends the prefill server: the key derived from the pair secret,
         never the client's (the users' keys stay on the head)."""
-        from linkctl.disagg.plan import prefill_api_key
-
         return {"Authorization": f"Bearer {prefill_api_key(self.secret)}"}
 
     def check_prefill_server(self) -> None:

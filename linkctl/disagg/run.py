@@ -17,11 +17,11 @@ from linkctl.disagg.plan import (
     DisaggPlan,
     kv_dir,
     models_dir,
-    prefill_api_key,
     prefill_key_path,
     prefill_model_path,
     resolve_route_config,
 )
+from linkctl.disagg.router import prefill_api_key
 from linkctl.serve.run import llama_server_child
 from linkctl.serve.supervise import Policy, Supervisor
 from linkctl.trust.secret import load

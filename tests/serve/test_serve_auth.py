@@ -286,8 +286,12 @@ def test_disaggregated_mode_follows_the_same_rule(tmp_path):
     keys = key_file(tmp_path)
     prof = profile(mode="disaggregated", host="0.0.0.0", api_key_file=keys)
     plan = disagg.build_plan(prof, prof.head, "llama-server", "/m.gguf")
-    for argv in (plan.prefill.argv(), plan.decode.argv()):
-        assert argv[argv.index("--api-key-file") + 1] == keys
+    # The decode server checks the users' keys; the prefill server only the key derived
+    # from the pair secret (linkctl.disagg.plan.prefill_key_path), which route alone sends.
+    argv = plan.decode.argv()
+    assert argv[argv.index("--api-key-file") + 1] == keys
+    argv = plan.prefill.argv()
+    assert argv[argv.index("--api-key-file") + 1].endswith("/serve/prefill-api-key")
     data = json.loads(json.dumps(BASE))
     data["serve"] |= {"mode": "disaggregated", "host": "0.0.0.0"}
     p = tmp_path / "open.toml"
