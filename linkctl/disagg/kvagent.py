@@ -28,8 +28,8 @@ from linkctl.disagg.kvxfer import (
     MAX_UNPROVEN,
     PART_KEEP_S,
     SERVICE,
-    Hasher,
     ServerCheck,
+    Sink,
     check_bind,
     check_name,
     private_file,
@@ -119,22 +119,19 @@ class _Handler(socketserver.StreamRequestHandler):
             before = os.fstat(f.fileno())
             size = before.st_size
             self.ch.send({"ok": True, "size": size})
-            with Hasher() as hw:
-                left = size
-                while left > 0:
-                    b = f.read(min(CHUNK, left))
-                    if not b:
-                        raise InputError(f"{path} shrank while it was sent")
-                    hw.add(b)
-                    self.connection.sendall(b)
-                    left -= len(b)
-                digest = hw.finish()
+            left = size
+            while left > 0:
+                b = f.read(min(CHUNK, left))
+                if not b:
+                    raise InputError(f"{path} shrank while it was sent")
+                self.ch.send_bytes(b)
+                left -= len(b)
             after = os.fstat(f.fileno())
         if (after.st_size, after.st_mtime_ns) != (size, before.st_mtime_ns):
-            # Rewritten while it was read: the bytes sent are neither version. The
-            # receiver gets no checksum line and keeps nothing.
+            # Rewritten while it was read: the bytes sent are neither version, and the
+            # closing line says so, so the receiver keeps nothing.
             raise InputError(f"{path.name} changed while it was sent; run the copy again")
-        self.ch.send({"sha256": digest})
+        self.ch.send({"ok": True})
         if delete:
             path.unlink(missing_ok=True)
         self.server.log(f"sent {path.name}: {size} bytes")
@@ -163,14 +160,15 @@ class _Handler(socketserver.StreamRequestHandler):
             f.truncate()
             left = size - offset
             try:
-                with Hasher(f, h) as hw:
+                with Sink(f, h) as sk:
                     while left > 0:
-                        b = self.rfile.read(min(CHUNK, left))
+                        b = self.ch.recv_bytes(min(CHUNK, left))
                         if not b:
-                            raise InputError(f"peer closed after {size - left} of {size} bytes")
-                        hw.add(b)
+                            raise InputError(f"peer sent an empty record at {size - left}")
+                        sk.add(b)
                         left -= len(b)
-                    got = hw.finish()
+                    sk.finish()
+                got = h.hexdigest()
                 f.flush()
                 os.fsync(f.fileno())
             except OSError as e:

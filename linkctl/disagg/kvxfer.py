@@ -1,5 +1,5 @@
 """File transfer over the link: KV slot files (prefill host -> head) and model files
-(head -> prefill host), bound to link addresses only, every byte checksummed.
+(head -> prefill host), bound to link addresses only, every byte sealed and checked.
 
 The agent (`linkctl kv-agent`, on the prefill host; linkctl.disagg.kvagent) serves named
 areas (directories):
@@ -10,10 +10,10 @@ the link subnet, and only those that prove the pair secret
 authenticated) before any request is read. One request per connection:
 
     {"op": "get", "area": A, "name": N, "delete": bool}
-        <- {"ok": true, "size": S}\\n, S bytes, {"sha256": HEX}\\n
+        <- {"ok": true, "size": S}\n, S bytes in sealed records, {"ok": true}\n
     {"op": "put", "area": A, "name": N, "size": S, "offset": O}
-        <- {"ok": true}\\n; -> S-O bytes, {"sha256": HEX of the whole file}\\n
-        <- {"ok": true, "sha256": HEX}\\n   (the file appears under N only then)
+        <- {"ok": true}\n; -> S-O bytes in sealed records, {"sha256": HEX of the whole
+        file}\n <- {"ok": true, "sha256": HEX}\n   (the file appears under N only then)
     {"op": "stat", "area": A, "name": N}
         <- {"ok": true, "size": S|null, "partial": P, "partial_sha256": HEX}
     {"op": "model"}
@@ -24,11 +24,16 @@ authenticated) before any request is read. One request per connection:
            host's prefill port is the llama-server this serve started (route asks
            before it sends the prefill server a key or a prompt)
 
-A failure is {"ok": false, "error": "..."}. The file bytes cross as they are; the
-SHA-256 after them travels in an authenticated line. A put writes N.part and renames it only
-after the whole-file SHA-256 matches, so a broken transfer leaves N.part to resume
-from (offset = its size) and never a wrong N. A get hashes as it sends; the
-client hashes as it receives and keeps the file only when both agree.
+A failure is {"ok": false, "error": "..."}. The file bytes cross in records sealed
+with AES-256-GCM under a key of that connection (linkctl.trust.session.Channel
+.send_bytes): a changed, dropped or reordered record fails its tag, and the size in
+the authenticated first line says where the file ends, so a get needs no checksum
+of its own: what is kept is, byte for byte, what the agent read. The closing line
+says whether the file held still while it was read. A put (a model: large, resumed
+after a break) is also hashed whole on both ends: it writes N.part, and renames it
+only after the SHA-256 of what was sent, what arrived and what is on disk agree, so
+a broken transfer leaves N.part to resume from (offset = its size) and never a
+wrong N.
 
 What one peer can make the agent do is bounded: MAX_CONNECTIONS at once (threads and
 descriptors), MAX_UNPROVEN per address still in the handshake, AUTH_TIMEOUT_S to
@@ -81,7 +86,7 @@ class TransferResult:
     bytes: int  # bytes moved over the wire
     size: int  # file size
     seconds: float
-    sha256: str
+    sha256: str | None  # a put's whole-file SHA-256; None for a get (its records are checked)
     resumed_from: int = 0
 
     @property
@@ -101,16 +106,16 @@ def private_file(path: Path, append: bool = False) -> BinaryIO:
     return os.fdopen(fd, "r+b")
 
 
-class Hasher:
-    """SHA-256 (and the write to ``out``, when given) of the chunks handed to ``add``, in
-    a thread of its own: hashlib and file writes release the GIL on large buffers, so
-    the socket is read or written while the chunk before is hashed and stored (one core
-    hashes about 14 Gbit/s here: in line, the hash alone held a 10 Gbit/s copy to under
-    5; bench/kv_line_rate.py). ``with Hasher(...) as hw: ...; hw.hexdigest()``; an error
-    of the thread (ENOSPC) is raised in the caller's, at the next add or at the end."""
+class Sink:
+    """Writes the chunks handed to ``add`` to ``out`` and/or hashes them into ``h``, in a
+    thread of its own: file writes and hashlib release the GIL on large buffers, so the
+    socket is read while the chunk before is stored (in line, the store held a 10
+    Gbit/s copy back; bench/kv_line_rate.py). ``with Sink(...) as sk: ...;
+    sk.finish()``; an error of the thread (ENOSPC) is raised in the caller's, at the
+    next add or at finish."""
 
     def __init__(self, out: BinaryIO | None = None, h: hashlib._Hash | None = None):
-        self.out, self.h = out, h or hashlib.sha256()
+        self.out, self.h = out, h
         self._q: queue.Queue[bytes | None] = queue.Queue(maxsize=4)  # 16 MiB in flight
         self._err: BaseException | None = None
         self._t = threading.Thread(target=self._run, daemon=True)
@@ -121,7 +126,8 @@ class Hasher:
             if self._err is not None:
                 continue  # drained, so that add() never blocks on a dead consumer
             try:
-                self.h.update(b)
+                if self.h is not None:
+                    self.h.update(b)
                 if self.out is not None:
                     self.out.write(b)
             except BaseException as e:  # re-raised in the caller's thread
@@ -132,15 +138,14 @@ class Hasher:
             raise self._err
         self._q.put(b)
 
-    def finish(self) -> str:
-        """Wait for every chunk; the hex digest, or the thread's error."""
+    def finish(self) -> None:
+        """Wait for every chunk; raise the thread's error, if any."""
         self._q.put(None)
         self._t.join()
         if self._err is not None:
             raise self._err
-        return self.h.hexdigest()
 
-    def __enter__(self) -> Hasher:
+    def __enter__(self) -> Sink:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -230,8 +235,9 @@ def fetch(
     timeout: float = 30.0,
     progress: Progress | None = None,
 ) -> TransferResult:
-    """Copy ``area/name`` from the agent to ``dest``. ``dest`` appears only when the
-    SHA-256 the agent computed while sending matches the one computed here."""
+    """Copy ``area/name`` from the agent to ``dest``. ``dest`` appears only when every
+    record passed its tag, all ``size`` bytes came, and the agent says the file held
+    still while it read it."""
     check_name(name)
     part = dest.with_name(dest.name + ".part")
     t0 = time.monotonic()
@@ -239,23 +245,20 @@ def fetch(
         with _channel(host, port, secret, source, timeout) as ch:
             head = _request(ch, {"op": "get", "area": area, "name": name, "delete": delete})
             size = int(head["size"])
-            with private_file(part) as out, Hasher(out) as hw:
+            with private_file(part) as out, Sink(out) as sk:
                 left = size
                 while left > 0:
-                    b = ch.rfile.read(min(CHUNK, left))
+                    b = ch.recv_bytes(min(CHUNK, left))
                     if not b:
-                        raise TransferError(f"kv-agent closed after {size - left} of {size} bytes")
-                    hw.add(b)
+                        raise TransferError(f"kv-agent sent an empty record at {size - left}")
+                    sk.add(b)
                     left -= len(b)
                     if progress:
                         progress(size - left, size)
-                got = hw.finish()
+                sk.finish()
             tail = ch.recv()
-        if tail.get("ok") is False:  # the agent's own refusal, after the bytes
+        if tail.get("ok") is not True:  # the agent's own refusal, after the bytes
             raise TransferError(f"kv-agent {host}:{port}: {tail.get('error')}")
-        want = tail.get("sha256")
-        if want != got:
-            raise TransferError(f"checksum mismatch for {name}: agent sent {want}, received {got}")
         part.replace(dest)
     except (OSError, ValueError) as e:
         part.unlink(missing_ok=True)
@@ -263,7 +266,7 @@ def fetch(
     except BaseException:
         part.unlink(missing_ok=True)
         raise
-    return TransferResult(name, size, size, time.monotonic() - t0, got)
+    return TransferResult(name, size, size, time.monotonic() - t0, None)
 
 
 def stat(
@@ -347,20 +350,21 @@ def put(
     try:
         with _channel(host, port, secret, source, timeout) as ch:
             _request(ch, {"op": "put", "area": area, "name": name, "size": size, "offset": offset})
-            with open(src, "rb") as inp, Hasher(h=h) as hw:
+            with open(src, "rb") as inp, Sink(h=h) as sk:
                 inp.seek(offset)
                 done = offset
                 while done < size:
                     b = inp.read(min(CHUNK, size - done))
                     if not b:
                         raise TransferError(f"{src} shrank while it was sent")
-                    hw.add(b)
-                    ch.sock.sendall(b)
+                    sk.add(b)
+                    ch.send_bytes(b)
                     done += len(b)
                     if progress:
                         progress(done, size)
                 after = os.fstat(inp.fileno())
-                digest = hw.finish()
+                sk.finish()
+                digest = h.hexdigest()
             if (after.st_size, after.st_mtime_ns) != (size, before.st_mtime_ns):
                 # The bytes sent are neither version: no checksum line, so the agent
                 # keeps nothing under the name (a resume compares the prefix again).

@@ -13,10 +13,21 @@ says anything about itself before the other has proved the secret:
 
 Then each JSON line is {"m": MESSAGE, "mac": HMAC(K_c, direction, sequence number,
 MESSAGE)} with K_c = HMAC(K, "session" S Ns Nc): a line cannot be changed, dropped,
-reordered or carried to another connection without the receiver refusing it. Bulk
-bytes (a KV slot file, a model) cross as they are, and their SHA-256 travels in an
-authenticated line after them, so what arrived is checked against what was sent.
-Nothing is encrypted: the bytes on the cable are readable by whoever can tap it.
+reordered or carried to another connection without the receiver refusing it.
+
+Bulk bytes (a KV slot file, which holds a user's prompt; a model) cross as records
+sealed with AES-256-GCM (NIST SP 800-38D) under K_b = HMAC(K_c, "bulk records"):
+
+    4-byte big-endian length L, then L bytes: ciphertext and its 16-byte tag
+
+with the deterministic nonce of SP 800-38D section 8.2.1: a 4-byte field naming the
+sender (client 0, server 1) and an 8-byte count of the records that sender has sent
+on this connection. A record that was changed, replayed, reordered or carried from
+another connection fails its tag. The key is fresh per connection, so a nonce never
+repeats under it. AES-GCM runs at about 10 GB/s on one core here (AES-NI), where
+SHA-256 ran at 1.1-1.7 GB/s: the seal is what lets one core keep a 10 Gbit/s link
+busy (bench/kv_line_rate.py). The JSON lines are authenticated, not encrypted: they
+carry names, sizes and checksums, never file contents.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ from linkctl.core.errors import InputError
 
 VERSION = 1
 MAX_LINE = 64 * 1024
+TAG = 16  # AES-GCM's tag, at the end of every record
 
 
 class Reader(Protocol):
@@ -77,6 +89,9 @@ class Channel:
         self.sock, self.rfile = sock, rfile
         self._key, self._me, self._peer = key, me, peer
         self._sent = self._received = 0
+        self._sealed = self._opened = 0
+        self._bulk_key = hmac.new(key, b"bulk records", "sha256").digest()
+        self._aead: Any = None
         self.where = peer
 
     def send(self, msg: dict[str, Any]) -> None:
@@ -96,6 +111,50 @@ class Channel:
         if not isinstance(msg, dict):
             raise AuthError(f"{self.where} sent a malformed message")
         return msg
+
+    def _cipher(self) -> Any:
+        if self._aead is None:  # imported here: the CLI's read-only paths never load it
+            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+            self._aead = AESGCM(self._bulk_key)
+        return self._aead
+
+    def send_bytes(self, data: bytes) -> None:
+        """One sealed record of ``data`` (the receiver's ``limit`` bounds its size)."""
+        nonce = _nonce(self._me, self._sealed)
+        self._sealed += 1
+        sealed = self._cipher().encrypt(nonce, data, None)
+        # Two sends, not one joined buffer: a copy of each record saved for 4 bytes
+        # that travel alone.
+        self.sock.sendall(len(sealed).to_bytes(4, "big"))
+        self.sock.sendall(sealed)
+
+    def recv_bytes(self, limit: int) -> bytes:
+        """The next record's bytes, at most ``limit`` of them, checked against its tag."""
+        head = _read_exactly(self.rfile, 4, self.where)
+        n = int.from_bytes(head, "big")
+        if not TAG <= n <= limit + TAG:
+            raise AuthError(f"{self.where} sent a record of {n} bytes (at most {limit + TAG})")
+        sealed = _read_exactly(self.rfile, n, self.where)
+        from cryptography.exceptions import InvalidTag
+
+        try:
+            data: bytes = self._cipher().decrypt(_nonce(self._peer, self._opened), sealed, None)
+        except InvalidTag:
+            raise AuthError(f"{self.where} sent a record that fails its tag") from None
+        self._opened += 1
+        return data
+
+
+def _nonce(sender: str, count: int) -> bytes:
+    return (0 if sender == "client" else 1).to_bytes(4, "big") + count.to_bytes(8, "big")
+
+
+def _read_exactly(rfile: Reader, n: int, where: str) -> bytes:
+    b = rfile.read(n)
+    if b is None or len(b) != n:
+        raise AuthError(f"{where} closed the connection inside a record")
+    return b
 
 
 def accept(sock: socket.socket, rfile: Reader, key: bytes, service: str, peer: str) -> Channel:

@@ -1,7 +1,9 @@
-"""The link transfer (linkctl/disagg/kvxfer.py) on loopback: checksums, resume, refusals."""
+"""The link transfer (linkctl/disagg/kvxfer.py) on loopback: sealed and checksummed
+copies, a byte changed on the wire, resume, refusals."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import ipaddress
 import os
@@ -29,7 +31,7 @@ def areas(tmp_path):
     return d
 
 
-def test_fetch_checksummed_and_deleted(areas, tmp_path):
+def test_fetch_sealed_and_deleted(areas, tmp_path):
     data = os.urandom(3 * kvxfer.CHUNK + 123)
     (areas["kv"] / "slot.kv").write_bytes(data)
     seen = []
@@ -46,7 +48,7 @@ def test_fetch_checksummed_and_deleted(areas, tmp_path):
         )
     assert (tmp_path / "got.kv").read_bytes() == data
     assert (tmp_path / "got.kv").stat().st_mode & 0o777 == 0o600  # a user's prompt
-    assert res.sha256 == hashlib.sha256(data).hexdigest() and res.bytes == len(data)
+    assert res.sha256 is None and res.bytes == len(data)  # checked by its records' tags
     assert not (areas["kv"] / "slot.kv").exists()
     assert seen[-1] == (len(data), len(data))
 
@@ -72,27 +74,53 @@ def test_put_resumes_a_matching_partial_and_restarts_a_foreign_one(areas, tmp_pa
         assert st["size"] == len(data) and st["partial"] == 0
 
 
-def test_checksum_mismatch_keeps_nothing(tmp_path):
-    """A peer whose trailer does not match the bytes: no file, no .part."""
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(1)
+def flipping_proxy(target: int, at: int) -> socket.socket:
+    """A TCP relay to ``target`` that flips one bit of the agent's reply stream at byte
+    ``at``: a tap that changes what crosses."""
+    lsn = socket.socket()
+    lsn.bind(("127.0.0.1", 0))
+    lsn.listen(1)
 
-    def serve():
-        c, _ = srv.accept()
-        ch = session.accept(c, c.makefile("rb"), KEY.key, kvxfer.SERVICE, "client")
-        ch.recv()
-        ch.send({"ok": True, "size": 4})
-        c.sendall(b"abcd")
-        ch.send({"sha256": "0" * 64})
-        c.close()
+    def pump(src: socket.socket, dst: socket.socket, flip: int | None) -> None:
+        seen = 0
+        with contextlib.suppress(OSError):
+            while b := src.recv(1 << 16):
+                if flip is not None and seen <= flip < seen + len(b):
+                    i = flip - seen
+                    b = b[:i] + bytes([b[i] ^ 1]) + b[i + 1 :]
+                seen += len(b)
+                dst.sendall(b)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
 
-    threading.Thread(target=serve, daemon=True).start()
+    def relay() -> None:
+        c, _ = lsn.accept()
+        up = socket.create_connection(("127.0.0.1", target))
+        threading.Thread(target=pump, args=(c, up, None), daemon=True).start()
+        pump(up, c, at)
+
+    threading.Thread(target=relay, daemon=True).start()
+    return lsn
+
+
+def test_a_byte_changed_on_the_wire_keeps_nothing(areas, tmp_path):
+    """One bit flipped inside the file's records: the fetch fails, no file, no .part,
+    and the agent's copy stays."""
+    data = os.urandom(3 * kvxfer.CHUNK)
+    (areas["kv"] / "slot.kv").write_bytes(data)
     dest = tmp_path / "x.kv"
-    with pytest.raises(kvxfer.TransferError, match="checksum mismatch"):
-        kvxfer.fetch("127.0.0.1", srv.getsockname()[1], "kv", "x.kv", dest, secret=KEY)
-    srv.close()
-    assert not dest.exists() and not dest.with_name("x.kv.part").exists()
+    with kvagent.Agent("127.0.0.1", 0, areas, LO, KEY) as a:
+        lsn = flipping_proxy(a.port, kvxfer.CHUNK + 12345)
+        with pytest.raises(session.AuthError, match="fails its tag"):
+            kvxfer.fetch("127.0.0.1", lsn.getsockname()[1], "kv", "slot.kv", dest, secret=KEY)
+        lsn.close()
+        # Untouched, the same copy goes through.
+        kvxfer.fetch("127.0.0.1", a.port, "kv", "slot.kv", dest, secret=KEY)
+    assert dest.read_bytes() == data
+    assert not dest.with_name("x.kv.part").exists()
+    assert hashlib.sha256((areas["kv"] / "slot.kv").read_bytes()).digest() == (
+        hashlib.sha256(data).digest()
+    )
 
 
 def test_agent_refuses_wildcard_other_peers_and_paths(areas, tmp_path):
