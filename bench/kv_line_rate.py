@@ -82,38 +82,53 @@ sys.stdin.read()
 a.stop()
 """
 
-# Runs inside the head's namespace: one timed fetch, its result and this process's CPU.
-FETCH = r"""
-import json, resource, sys, time
+# What the head's page cache takes by itself, the fetch's write side without the
+# network: the same size written in the fetch's 4 MiB chunks (no fsync, as fetch),
+# removed after.
+PROBE = r"""
+import json, os, sys, time
+
+
+def probe(path, size):
+    buf = os.urandom(4 << 20)
+    t = time.monotonic()
+    with open(path, "wb") as f:
+        left = size
+        while left > 0:
+            left -= f.write(buf[: min(len(buf), left)])
+    dt = time.monotonic() - t
+    os.unlink(path)
+    return {"gbps": size * 8 / dt / 1e9, "seconds": dt}
+"""
+
+# Runs inside the head's namespace: one timed fetch, its result and this process's CPU;
+# with a probe path, the probe first, in this process, just before the fetch.
+FETCH = (
+    PROBE
+    + r"""
+import resource
 from pathlib import Path
 from linkctl.disagg import kvxfer
 from linkctl.trust.secret import load
-host, port, name, dest, source, profile = sys.argv[1:7]
+host, port, name, dest, source, profile, warm = sys.argv[1:8]
 sec = load(profile)
+wr = probe(warm, int(sys.argv[8])) if warm != "-" else None
 r0 = resource.getrusage(resource.RUSAGE_SELF)
 r = kvxfer.fetch(host, int(port), "kv", name, Path(dest), secret=sec, source=source,
                  timeout=60)
 r1 = resource.getrusage(resource.RUSAGE_SELF)
 print(json.dumps(r.as_dict() | {"cpu_user_s": r1.ru_utime - r0.ru_utime,
-                                 "cpu_sys_s": r1.ru_stime - r0.ru_stime}))
+                                 "cpu_sys_s": r1.ru_stime - r0.ru_stime, "probe": wr}))
 """
+)
 
-# Runs inside the head's namespace: what the head's page cache takes by itself, the
-# fetch's write side without the network: the same size written in the fetch's 4 MiB
-# chunks (no fsync, as fetch), removed after.
-WRITE = r"""
-import json, os, sys, time
-path, size = sys.argv[1], int(sys.argv[2])
-buf = os.urandom(4 << 20)
-t = time.monotonic()
-with open(path, "wb") as f:
-    left = size
-    while left > 0:
-        left -= f.write(buf[: min(len(buf), left)])
-dt = time.monotonic() - t
-os.unlink(path)
-print(json.dumps({"gbps": size * 8 / dt / 1e9, "seconds": dt}))
+# Runs inside the head's namespace: the probe alone.
+WRITE = (
+    PROBE
+    + r"""
+print(json.dumps(probe(sys.argv[1], int(sys.argv[2]))))
 """
+)
 
 
 def linkctl(*args: str, timeout: float = 300) -> str:
@@ -264,28 +279,23 @@ def main() -> int:
         )
         wait_iperf(lab, head, pre_ip)
         dest = work / "head" / SLOT
+        probe_path = str(dest.with_name("write-probe.bin"))
         fetch = [PY, "-c", FETCH, pre_ip, str(AGENT_PORT), SLOT]
-        write = [PY, "-c", WRITE, str(dest.with_name("write-probe.bin")), str(size)]
+        write = [PY, "-c", WRITE, probe_path, str(size)]
         dest.parent.mkdir()
 
         for _ in range(a.rounds):
             before = iperf_gbps(lab, head, pre_ip, head_ip, a.seconds)
-            if a.warm:
-                wr = json.loads(run_in(lab, head, write))
+            warm = [probe_path, str(size)] if a.warm else ["-"]
             c0 = cpu_s(agent.pid)
-            kv = json.loads(
-                run_in(
-                    lab,
-                    head,
-                    [*fetch, str(dest), head_ip, lab_prof.name],
-                )
-            )
+            kv = json.loads(run_in(lab, head, [*fetch, str(dest), head_ip, lab_prof.name, *warm]))
             agent_cpu = cpu_s(agent.pid) - c0
+            wr = kv["probe"]
             if kv["size"] != size:
                 raise SystemExit(f"fetched {kv['size']} bytes, the slot file has {size}")
             dest.unlink()
             after = iperf_gbps(lab, head, pre_ip, head_ip, a.seconds)
-            if not a.warm:
+            if wr is None:
                 wr = json.loads(run_in(lab, head, write))
             ref = (before + after) / 2
             rounds.append(

@@ -120,12 +120,13 @@ class _Handler(socketserver.StreamRequestHandler):
             size = before.st_size
             self.ch.send({"ok": True, "size": size})
             left = size
+            buf = memoryview(bytearray(CHUNK))  # one buffer, reused: no page faults per chunk
             while left > 0:
-                b = f.read(min(CHUNK, left))
-                if not b:
+                n = f.readinto(buf[: min(CHUNK, left)])
+                if not n:
                     raise InputError(f"{path} shrank while it was sent")
-                self.ch.send_bytes(b)
-                left -= len(b)
+                self.ch.send_bytes(buf[:n])
+                left -= n
             after = os.fstat(f.fileno())
         if (after.st_size, after.st_mtime_ns) != (size, before.st_mtime_ns):
             # Rewritten while it was read: the bytes sent are neither version, and the
@@ -162,11 +163,12 @@ class _Handler(socketserver.StreamRequestHandler):
             try:
                 with Sink(f, h) as sk:
                     while left > 0:
-                        b = self.ch.recv_bytes(min(CHUNK, left))
-                        if not b:
+                        buf = sk.buffer()
+                        n = self.ch.recv_into(memoryview(buf)[: min(CHUNK, left)])
+                        if not n:
                             raise InputError(f"peer sent an empty record at {size - left}")
-                        sk.add(b)
-                        left -= len(b)
+                        sk.add(buf, n)
+                        left -= n
                     sk.finish()
                 got = h.hexdigest()
                 f.flush()

@@ -25,7 +25,7 @@ authenticated) before any request is read. One request per connection:
            before it sends the prefill server a key or a prompt)
 
 A failure is {"ok": false, "error": "..."}. The file bytes cross in records sealed
-with AES-256-GCM under a key of that connection (linkctl.trust.session.Channel
+with AES-128-GCM under a key of that connection (linkctl.trust.session.Channel
 .send_bytes): a changed, dropped or reordered record fails its tag, and the size in
 the authenticated first line says where the file ends, so a get needs no checksum
 of its own: what is kept is, byte for byte, what the agent read. The closing line
@@ -110,33 +110,47 @@ class Sink:
     """Writes the chunks handed to ``add`` to ``out`` and/or hashes them into ``h``, in a
     thread of its own: file writes and hashlib release the GIL on large buffers, so the
     socket is read while the chunk before is stored (in line, the store held a 10
-    Gbit/s copy back; bench/kv_line_rate.py). ``with Sink(...) as sk: ...;
-    sk.finish()``; an error of the thread (ENOSPC) is raised in the caller's, at the
-    next add or at finish."""
+    Gbit/s copy back; bench/kv_line_rate.py). Chunks live in BUFFERS buffers of CHUNK
+    bytes that the thread hands back once stored, reused for the whole copy: a fresh
+    object per chunk costs page faults. ``with Sink(...) as sk: b = sk.buffer(); fill
+    n bytes; sk.add(b, n); ...; sk.finish()``; an error of the thread (ENOSPC) is
+    raised in the caller's, at the next add or at finish."""
+
+    BUFFERS = 6
 
     def __init__(self, out: BinaryIO | None = None, h: hashlib._Hash | None = None):
         self.out, self.h = out, h
-        self._q: queue.Queue[bytes | None] = queue.Queue(maxsize=4)  # 16 MiB in flight
+        self._q: queue.Queue[tuple[bytearray, int] | None] = queue.Queue()
+        self._free: queue.Queue[bytearray] = queue.Queue()
+        for _ in range(self.BUFFERS):
+            self._free.put(bytearray(CHUNK))
         self._err: BaseException | None = None
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()
 
     def _run(self) -> None:
-        while (b := self._q.get()) is not None:
-            if self._err is not None:
-                continue  # drained, so that add() never blocks on a dead consumer
-            try:
-                if self.h is not None:
-                    self.h.update(b)
-                if self.out is not None:
-                    self.out.write(b)
-            except BaseException as e:  # re-raised in the caller's thread
-                self._err = e
+        while (item := self._q.get()) is not None:
+            buf, n = item
+            if self._err is None:  # after an error, only drained: add() never blocks
+                try:
+                    b = memoryview(buf)[:n]
+                    if self.h is not None:
+                        self.h.update(b)
+                    if self.out is not None:
+                        self.out.write(b)
+                except BaseException as e:  # re-raised in the caller's thread
+                    self._err = e
+            self._free.put(buf)
 
-    def add(self, b: bytes) -> None:
+    def buffer(self) -> bytearray:
+        """A CHUNK-byte buffer to fill, once the thread has stored one."""
+        return self._free.get()
+
+    def add(self, buf: bytearray, n: int) -> None:
+        """Store (hash) the first ``n`` bytes of ``buf``, a buffer from ``buffer``."""
         if self._err is not None:
             raise self._err
-        self._q.put(b)
+        self._q.put((buf, n))
 
     def finish(self) -> None:
         """Wait for every chunk; raise the thread's error, if any."""
@@ -248,11 +262,12 @@ def fetch(
             with private_file(part) as out, Sink(out) as sk:
                 left = size
                 while left > 0:
-                    b = ch.recv_bytes(min(CHUNK, left))
-                    if not b:
+                    buf = sk.buffer()
+                    n = ch.recv_into(memoryview(buf)[: min(CHUNK, left)])
+                    if not n:
                         raise TransferError(f"kv-agent sent an empty record at {size - left}")
-                    sk.add(b)
-                    left -= len(b)
+                    sk.add(buf, n)
+                    left -= n
                     if progress:
                         progress(size - left, size)
                 sk.finish()
@@ -354,12 +369,13 @@ def put(
                 inp.seek(offset)
                 done = offset
                 while done < size:
-                    b = inp.read(min(CHUNK, size - done))
-                    if not b:
+                    buf = sk.buffer()
+                    n = inp.readinto(memoryview(buf)[: min(CHUNK, size - done)])
+                    if not n:
                         raise TransferError(f"{src} shrank while it was sent")
-                    sk.add(b)
-                    ch.send_bytes(b)
-                    done += len(b)
+                    ch.send_bytes(memoryview(buf)[:n])
+                    sk.add(buf, n)
+                    done += n
                     if progress:
                         progress(done, size)
                 after = os.fstat(inp.fileno())
