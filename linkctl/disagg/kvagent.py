@@ -28,6 +28,7 @@ from linkctl.disagg.kvxfer import (
     MAX_UNPROVEN,
     PART_KEEP_S,
     SERVICE,
+    ReadAhead,
     ServerCheck,
     Sink,
     check_bind,
@@ -119,14 +120,9 @@ class _Handler(socketserver.StreamRequestHandler):
             before = os.fstat(f.fileno())
             size = before.st_size
             self.ch.send({"ok": True, "size": size})
-            left = size
-            buf = memoryview(bytearray(CHUNK))  # one buffer, reused: no page faults per chunk
-            while left > 0:
-                n = f.readinto(buf[: min(CHUNK, left)])
-                if not n:
-                    raise InputError(f"{path} shrank while it was sent")
-                self.ch.send_bytes(buf[:n])
-                left -= n
+            with ReadAhead(f, size, str(path)) as chunks:
+                for chunk in chunks:
+                    self.ch.send_bytes(chunk)
             after = os.fstat(f.fileno())
         if (after.st_size, after.st_mtime_ns) != (size, before.st_mtime_ns):
             # Rewritten while it was read: the bytes sent are neither version, and the

@@ -168,6 +168,63 @@ class Sink:
             self._t.join()
 
 
+class ReadAhead:
+    """``size`` bytes of ``f`` from where it stands, in chunks that a thread of its own
+    reads (and hashes into ``h``) while the caller seals and sends the chunk before:
+    the read and the send overlap, as Sink's receive and write do. ``with ReadAhead(f,
+    n, name) as ra: for chunk in ra: ...`` (a chunk stays valid until the next is
+    asked for). A file that ends early raises TransferError in the caller."""
+
+    BUFFERS = 3
+
+    def __init__(self, f: BinaryIO, size: int, name: str, h: hashlib._Hash | None = None):
+        self._f, self._size, self._name, self.h = f, size, name, h
+        self._full: queue.Queue[tuple[bytearray, int] | BaseException | None] = queue.Queue()
+        self._free: queue.Queue[bytearray | None] = queue.Queue()
+        for _ in range(self.BUFFERS):
+            self._free.put(bytearray(CHUNK))
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        left = self._size
+        try:
+            while left > 0:
+                if (buf := self._free.get()) is None:
+                    return  # the caller stopped early
+                n = self._f.readinto(memoryview(buf)[: min(CHUNK, left)])
+                if not n:
+                    raise TransferError(f"{self._name} shrank while it was sent")
+                if self.h is not None:
+                    self.h.update(memoryview(buf)[:n])
+                self._full.put((buf, n))
+                left -= n
+        except BaseException as e:  # raised in the caller's thread
+            self._full.put(e)
+            return
+        self._full.put(None)
+
+    def __iter__(self) -> Iterator[memoryview]:
+        held: bytearray | None = None
+        while True:
+            item = self._full.get()
+            if held is not None:
+                self._free.put(held)
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            held, n = item
+            yield memoryview(held)[:n]
+
+    def __enter__(self) -> ReadAhead:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._free.put(None)  # wakes a reader waiting for a buffer
+        self._t.join()
+
+
 def check_name(name: str) -> str:
     if not NAME_RE.fullmatch(name) or name.endswith(".part"):
         raise InputError(
@@ -365,21 +422,16 @@ def put(
     try:
         with _channel(host, port, secret, source, timeout) as ch:
             _request(ch, {"op": "put", "area": area, "name": name, "size": size, "offset": offset})
-            with open(src, "rb") as inp, Sink(h=h) as sk:
+            with open(src, "rb") as inp:
                 inp.seek(offset)
                 done = offset
-                while done < size:
-                    buf = sk.buffer()
-                    n = inp.readinto(memoryview(buf)[: min(CHUNK, size - done)])
-                    if not n:
-                        raise TransferError(f"{src} shrank while it was sent")
-                    ch.send_bytes(memoryview(buf)[:n])
-                    sk.add(buf, n)
-                    done += n
-                    if progress:
-                        progress(done, size)
+                with ReadAhead(inp, size - offset, str(src), h) as chunks:
+                    for chunk in chunks:
+                        ch.send_bytes(chunk)
+                        done += len(chunk)
+                        if progress:
+                            progress(done, size)
                 after = os.fstat(inp.fileno())
-                sk.finish()
                 digest = h.hexdigest()
             if (after.st_size, after.st_mtime_ns) != (size, before.st_mtime_ns):
                 # The bytes sent are neither version: no checksum line, so the agent
