@@ -236,3 +236,20 @@ def test_partial_files_not_resumed_within_a_day_are_removed(areas):
     with kvagent.Agent("127.0.0.1", 0, areas, LO, KEY):
         pass
     assert not old.exists() and fresh.exists()
+
+
+def test_a_source_cut_short_while_it_is_put_keeps_nothing(areas, tmp_path):
+    """The file shrinks under the reader (ReadAhead): the put fails naming it, and the
+    agent has nothing under the name."""
+    src = tmp_path / "m.gguf"
+    src.write_bytes(os.urandom(8 * kvxfer.CHUNK))
+
+    def cut(done: int, total: int) -> None:
+        os.truncate(src, kvxfer.CHUNK)
+
+    with (
+        kvagent.Agent("127.0.0.1", 0, areas, LO, KEY) as a,
+        pytest.raises(kvxfer.TransferError, match="shrank while it was sent"),
+    ):
+        kvxfer.put("127.0.0.1", a.port, "models", src, progress=cut, secret=KEY)
+    assert not (areas["models"] / "m.gguf").exists()
