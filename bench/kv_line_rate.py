@@ -31,8 +31,11 @@ file; the fetch does. On a VM whose balloon reports free pages to the hypervisor
 host and the write probe shows it (~3 Gbit/s here where it is ~40 Gbit/s on reused
 pages). --warm runs the probe in the fetch's own process right before it, so the
 fetch writes into pages the guest has just freed, as a host with its own memory
-always does; a round can still catch pages already handed back (its fetch CPU
-doubles), hence the median over rounds as the verdict. Also shown: the CPU
+always does. A round can still catch pages the guest has already handed back: its
+fetch CPU then rises well above the other rounds' (0.34-0.36 s for 512 MiB here; 0.43-
+0.89 s in such rounds). The verdict is the median over all rounds; beside it, the
+median over the rounds whose fetch CPU stayed within COLD_CPU x the least, so a reader
+sees what the link and the protocol do apart from this VM's memory. Also shown: the CPU
 seconds the agent and the fetching process used per transfer (both ends share this
 machine's CPUs with the kernel's veth work). Exit 0 whatever the ratio: a measurement, not a
 test; non-zero only when the bench itself failed. The lab is removed at the end,
@@ -63,6 +66,7 @@ from linkctl.lab import netns
 
 PY = sys.executable
 TARGET = 0.90
+COLD_CPU = 1.2  # a round whose fetch CPU exceeds this x the least one wrote into cold pages
 AGENT_PORT = 50153
 IPERF_PORT = 5301
 SLOT = "bench-slot.bin"
@@ -354,6 +358,11 @@ def main() -> int:
         "loadavg": load1,
         "logs": str(work),
     }
+    least = min(r["fetch_cpu_s"] for r in rounds)
+    # Never empty: the round with the least CPU is always in it.
+    out["clean_ratio"] = spread(
+        [r["ratio"] for r in rounds if r["fetch_cpu_s"] <= COLD_CPU * least]
+    )
     if a.json:
         print(json.dumps(out, indent=2))
         return 0
@@ -384,6 +393,12 @@ def main() -> int:
     met = sum(r["ratio"] >= TARGET for r in rounds)
     verdict = "met" if s["ratio"]["median"] >= TARGET else "NOT met"
     print(f"target {verdict} by the median; {met} of {len(rounds)} rounds at or above it")
+    c = out["clean_ratio"]
+    print(
+        f"rounds whose fetch CPU stayed within {COLD_CPU}x the least ({least:.3f} s): "
+        f"{c['n']} of {len(rounds)}, ratio {c['min']:.3f}-{c['max']:.3f} "
+        f"(median {c['median']:.3f}); the others wrote into pages this VM had handed back"
+    )
     print(f"load average {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}; logs: {out['logs']}")
     return 0
 
