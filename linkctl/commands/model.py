@@ -132,6 +132,6 @@ def model_sync(
         resumed = f", resumed from {res.resumed_from} bytes" if res.resumed_from else ""
         say(
             f"{src.name} -> {pre.name}:{plan['path_there']}: {res.bytes} bytes in "
-            f"{res.seconds:.2f} s ({res.gbps:.2f} Gbit/s){resumed}, sha256 {res.sha256[:16]} "
-            "verified"
+            f"{res.seconds:.2f} s ({res.gbps:.2f} Gbit/s){resumed}, "
+            f"sha256 {(res.sha256 or '')[:16]} verified"
         )

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import ipaddress
 import os
 import queue
@@ -177,7 +178,7 @@ class ReadAhead:
 
     BUFFERS = 3
 
-    def __init__(self, f: BinaryIO, size: int, name: str, h: hashlib._Hash | None = None):
+    def __init__(self, f: io.BufferedReader, size: int, name: str, h: hashlib._Hash | None = None):
         self._f, self._size, self._name, self.h = f, size, name, h
         self._full: queue.Queue[tuple[bytearray, int] | BaseException | None] = queue.Queue()
         self._free: queue.Queue[bytearray | None] = queue.Queue()

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import io
 import json
 import secrets
 import socket
@@ -56,8 +57,6 @@ class Reader(Protocol):
     def read(self, size: int = -1, /) -> bytes | None: ...
 
     def readinto(self, buffer: memoryview, /) -> int | None: ...
-
-    def read1(self, size: int = -1, /) -> bytes: ...
 
 
 class AuthError(InputError):
@@ -166,7 +165,9 @@ class Channel:
         """``len(into)`` bytes: those the reader holds already, then straight from the
         socket, asking the kernel (SO_RCVLOWAT, socket(7)) to wake this thread once a
         whole slice has arrived instead of at every packet."""
-        got = len(first := self.rfile.read1(len(into)))
+        # An unbuffered reader (the responder's) holds nothing ahead of the socket.
+        held = self.rfile.read1(len(into)) if isinstance(self.rfile, io.BufferedReader) else b""
+        got = len(first := held)
         into[:got] = first
         try:
             while got < len(into):
