@@ -141,12 +141,15 @@ def commands(host: HostSpec, paths: ServicePaths) -> dict[str, list[str]]:
 
 
 def _ip_filter(profile: Profile, host: HostSpec, kind: str) -> str:
-    allow = f"IPAddressDeny=any\nIPAddressAllow=localhost {profile.link.subnet}"
+    # The profile's hosts by address, not the whole subnet: another machine on a shared
+    # segment reaches none of these services (rpc-server has no authentication).
+    peers = " ".join(f"{h.address.ip}/32" for h in profile.hosts)
+    allow = f"IPAddressDeny=any\nIPAddressAllow=localhost {peers}"
     if kind == "serve" and host.role == "head" and not profile.serve.host.is_loopback:
         return (
             f"# No IP filter: llama-server's API listens on {profile.serve.host}, outside the link."
         )
-    return "# Traffic only over the direct link (and loopback).\n" + allow
+    return "# Traffic only with the profile's hosts over the link (and loopback).\n" + allow
 
 
 def _reprobe(profile: Profile, host: HostSpec, paths: ServicePaths) -> str:

@@ -203,9 +203,11 @@ def test_systemd_units_say_what_the_issue_asks(tmp_path):
         assert shlex.split(serve["Service.ExecStart"][0])[1] == "serve"
         env = dict(e.split("=", 1) for e in serve["Service.Environment"])
         assert env["LINKCTL_LLAMA_BIN"] == LLAMA
-        # rpc-server has no authentication: the unit may talk to the link subnet only.
+        # rpc-server has no authentication: the unit may talk to the profile's hosts only
+        # (not the whole subnet: a shared segment holds other machines).
         if host.role == "rpc":
-            assert serve["Service.IPAddressAllow"] == [f"localhost {prof.link.subnet}"]
+            peers = " ".join(f"{h.address.ip}/32" for h in prof.hosts)
+            assert serve["Service.IPAddressAllow"] == [f"localhost {peers}"]
             assert serve["Service.IPAddressDeny"] == ["any"]
         resp = unit_keys(files[f"{svc.UNIT_DIR}/linkctl-responder.service"])
         assert "linkctl-link.service" not in " ".join(resp.get("Unit.After", []))
