@@ -22,7 +22,6 @@ from linkctl.core.errors import InputError
 from linkctl.disagg.fingerprint import fingerprint
 from linkctl.disagg.kvxfer import (
     AUTH_TIMEOUT_S,
-    CHUNK,
     IDLE_TIMEOUT_S,
     MAX_CONNECTIONS,
     MAX_UNPROVEN,
@@ -155,16 +154,10 @@ class _Handler(socketserver.StreamRequestHandler):
         with private_file(part, append=bool(offset)) as f:
             f.seek(offset)
             f.truncate()
-            left = size - offset
+            sk = Sink(f, h)
             try:
-                with Sink(f, h) as sk:
-                    while left > 0:
-                        buf = sk.buffer()
-                        n = self.ch.recv_into(memoryview(buf)[: min(CHUNK, left)])
-                        if not n:
-                            raise InputError(f"peer sent an empty record at {size - left}")
-                        sk.add(buf, n)
-                        left -= n
+                with sk:
+                    sk.receive(self.ch, size - offset)
                     sk.finish()
                 got = h.hexdigest()
                 f.flush()
@@ -175,7 +168,7 @@ class _Handler(socketserver.StreamRequestHandler):
                 part.unlink(missing_ok=True)  # its space back; a resume could not finish
                 raise InputError(
                     f"no space left on {socket.gethostname()} for {path.name}: "
-                    f"need {size - offset} bytes, ran out at {size - left}",
+                    f"need {size - offset} bytes, ran out at {offset + sk.received}",
                     f"free space in {path.parent}, then run the copy again",
                 ) from None
         want = self.ch.recv().get("sha256")

@@ -113,14 +113,15 @@ class Sink:
     socket is read while the chunk before is stored (in line, the store held a 10
     Gbit/s copy back; bench/kv_line_rate.py). Chunks live in BUFFERS buffers of CHUNK
     bytes that the thread hands back once stored, reused for the whole copy: a fresh
-    object per chunk costs page faults. ``with Sink(...) as sk: b = sk.buffer(); fill
-    n bytes; sk.add(b, n); ...; sk.finish()``; an error of the thread (ENOSPC) is
-    raised in the caller's, at the next add or at finish."""
+    object per chunk costs page faults. ``with Sink(...) as sk: sk.receive(ch, n);
+    sk.finish()``; an error of the thread (ENOSPC) is raised in the caller's, at the
+    next chunk or at finish."""
 
     BUFFERS = 6
 
     def __init__(self, out: BinaryIO | None = None, h: hashlib._Hash | None = None):
         self.out, self.h = out, h
+        self.received = 0  # bytes taken from the channel so far
         self._q: queue.Queue[tuple[bytearray, int] | None] = queue.Queue()
         self._free: queue.Queue[bytearray] = queue.Queue()
         for _ in range(self.BUFFERS):
@@ -143,15 +144,18 @@ class Sink:
                     self._err = e
             self._free.put(buf)
 
-    def buffer(self) -> bytearray:
-        """A CHUNK-byte buffer to fill, once the thread has stored one."""
-        return self._free.get()
-
-    def add(self, buf: bytearray, n: int) -> None:
-        """Store (hash) the first ``n`` bytes of ``buf``, a buffer from ``buffer``."""
-        if self._err is not None:
-            raise self._err
-        self._q.put((buf, n))
+    def receive(self, ch: session.Channel, size: int, progress: Progress | None = None) -> None:
+        """``size`` bytes of sealed records from ``ch``, each stored (hashed) by the
+        thread while the next is received."""
+        while self.received < size:
+            if self._err is not None:
+                raise self._err
+            buf = self._free.get()  # once the thread has stored one
+            n = ch.recv_into(memoryview(buf)[: min(CHUNK, size - self.received)])
+            self._q.put((buf, n))
+            self.received += n
+            if progress:
+                progress(self.received, size)
 
     def finish(self) -> None:
         """Wait for every chunk; raise the thread's error, if any."""
@@ -318,16 +322,7 @@ def fetch(
             head = _request(ch, {"op": "get", "area": area, "name": name, "delete": delete})
             size = int(head["size"])
             with private_file(part) as out, Sink(out) as sk:
-                left = size
-                while left > 0:
-                    buf = sk.buffer()
-                    n = ch.recv_into(memoryview(buf)[: min(CHUNK, left)])
-                    if not n:
-                        raise TransferError(f"kv-agent sent an empty record at {size - left}")
-                    sk.add(buf, n)
-                    left -= n
-                    if progress:
-                        progress(size - left, size)
+                sk.receive(ch, size, progress)
                 sk.finish()
             tail = ch.recv()
         if tail.get("ok") is not True:  # the agent's own refusal, after the bytes

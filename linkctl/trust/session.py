@@ -143,10 +143,16 @@ class Channel:
         """The next record's bytes into ``buf`` (a longer record is refused), checked
         against its tag; how many."""
         head = memoryview(bytearray(4))
+        # Through the reader, which buffers what follows: the body's read then starts
+        # from bytes already here, with no read of its own into a fresh object.
         _read_exactly(self.rfile, head, self.where)
         n = int.from_bytes(head, "big")
-        if not TAG <= n <= len(buf) + TAG:
-            raise AuthError(f"{self.where} sent a record of {n} bytes (at most {len(buf) + TAG})")
+        # Never an empty record: a reader counting bytes towards a size would not move.
+        if not TAG < n <= len(buf) + TAG:
+            raise AuthError(
+                f"{self.where} sent a record of {n} bytes "
+                f"(a record holds 1 to {len(buf)} bytes and a {TAG}-byte tag)"
+            )
         if len(self._open_buf) < n:
             self._open_buf = bytearray(n)
         sealed = memoryview(self._open_buf)[:n]
@@ -167,8 +173,8 @@ class Channel:
         whole slice has arrived instead of at every packet."""
         # An unbuffered reader (the responder's) holds nothing ahead of the socket.
         held = self.rfile.read1(len(into)) if isinstance(self.rfile, io.BufferedReader) else b""
-        got = len(first := held)
-        into[:got] = first
+        got = len(held)
+        into[:got] = held
         try:
             while got < len(into):
                 lowat = min(len(into) - got, LOWAT)

@@ -176,6 +176,12 @@ def test_an_oversized_or_cut_record_is_refused():
     c.sendall((10**9).to_bytes(4, "big"))
     with pytest.raises(session.AuthError, match="record of 1000000000 bytes"):
         recv(srv, 1 << 20)
+    # An empty record (a tag and nothing sealed): a reader counting towards a size
+    # would never move.
+    srv, _cli, (_s, c) = handshake(KEY.key, KEY.key)
+    c.sendall(session.TAG.to_bytes(4, "big") + b"t" * session.TAG)
+    with pytest.raises(session.AuthError, match="record of 16 bytes"):
+        recv(srv, 1 << 20)
     srv, _cli, (_s, c) = handshake(KEY.key, KEY.key)
     c.sendall((100).to_bytes(4, "big") + b"x" * 10)
     c.shutdown(socket.SHUT_WR)  # the client's reader still holds the descriptor
