@@ -20,7 +20,7 @@ from linkctl.core.runner import Runner
 from linkctl.net.backend import Backend
 from linkctl.net.linux import LinuxBackend
 from linkctl.net.macos import MacBackend
-from linkctl.net.netstate import LinkFacts, Route
+from linkctl.net.netstate import LinkFacts, Route, TcpConn
 from linkctl.net.plan import Change, Effect, Kind, Plan
 from support.macos_replay import backend as mac_backend
 from support.macos_replay import configured, mac_studio
@@ -168,3 +168,60 @@ def test_teardown_and_follow_up_plans(case):
         # No peers: nothing is looked up, only the shape is checked.
         follow = b.plan_follow_up(host, PROF.link, [])
     check_plan(follow, undo_required=True)
+
+
+def check_conn(c: TcpConn) -> None:
+    assert type(c) is TcpConn
+    for a in (c.local, c.remote):
+        ip, port = a.rsplit(":", 1)
+        ipaddress.IPv4Address(ip)
+        assert 0 < int(port) < 65536
+    for x in (c.rtt_ms, c.min_rtt_ms):
+        assert type(x) is float and x >= 0
+    for n in (c.retrans_total, c.unacked, c.last_send_ms, c.last_recv_ms):
+        assert type(n) is int and n >= 0
+    json.dumps(c.as_dict())
+
+
+def test_tcp_connections_to_nothing_is_an_empty_list(case):
+    b, _, _ = case
+    assert b.tcp_connections(["198.18.255.254:9"]) == []
+
+
+CONN_IN_NETNS = r"""
+import json, socket, sys
+from linkctl.core.runner import Runner
+from linkctl.net.linux import LinuxBackend
+import subprocess
+subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+srv = socket.create_server(("127.0.0.1", 0))
+port = srv.getsockname()[1]
+c = socket.create_connection(("127.0.0.1", port))
+a, _ = srv.accept()
+c.sendall(b"x" * 5000)
+a.recv(5000)
+conns = LinuxBackend(Runner()).tcp_connections([f"127.0.0.1:{port}"])
+print(json.dumps([x.as_dict() for x in conns]))
+"""
+
+
+def test_linux_reads_a_live_connection_from_the_kernel():
+    """In a network namespace of the test's own (`unshare -n`): one connection, its
+    kernel figures; this machine's own network sees nothing of it."""
+    import subprocess
+    import sys
+
+    from support.cli import need_root_netns
+
+    need_root_netns()
+    r = subprocess.run(
+        ["unshare", "-n", sys.executable, "-c", CONN_IN_NETNS],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    conns = [TcpConn(**d) for d in json.loads(r.stdout)]
+    assert len(conns) == 1, conns
+    check_conn(conns[0])
+    assert conns[0].bytes_sent == 5001  # tcpi_bytes_acked counts the SYN too

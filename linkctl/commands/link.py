@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -18,6 +18,9 @@ from linkctl.commands.common import (
 from linkctl.core.checks import Verdict
 from linkctl.core.output import console, print_json, verdict
 from linkctl.core.privilege import require_root
+
+if TYPE_CHECKING:
+    from linkctl.net.netstate import LinkStatus
 
 profile_app = typer.Typer(help="Validate and show profiles.", no_args_is_help=True)
 
@@ -162,42 +165,118 @@ def register(app: typer.Typer) -> None:
         _render_result(link.teardown(prof, h, backend, dry_run=dry_run), json_, path)
 
     @app.command()
-    def status(profile: ProfileOpt = None, host: HostOpt = None, json_: JsonOpt = False) -> None:
-        """Show the link as it is versus the profile (drift). Exit 1 on drift.
+    def status(
+        profile: ProfileOpt = None,
+        host: HostOpt = None,
+        watch: Annotated[
+            bool,
+            typer.Option(
+                "--watch",
+                help="Print again every serve.watch_interval_s until Ctrl-C (with --json: "
+                "one JSON object per line).",
+            ),
+        ] = False,
+        json_: JsonOpt = False,
+    ) -> None:
+        """Show the link as it is versus the profile (drift), and what serve's watch says
+        while it serves. Exit 1 on drift or a watch FAIL.
 
-        Example: linkctl status --json
+        The `serve` object is this host's supervisor (serve/head.json or rpc.json in the
+        state dir) and its `watch`: verdict PASS/WARN/FAIL with reasons, since when,
+        the figures behind it (RTT and retransmits of the live RPC connection, decode
+        tok/s), the mode llama-server runs in (split, alone, stopped) and the canary.
+
+        Examples:
+          linkctl status --json
+          linkctl status --watch
+          linkctl status --watch --json | jq .serve.watch.verdict
         """
+        import time
+
         from linkctl.net import link
 
         prof, h, backend, path = load_with_host(profile, host)
-        st = link.status(prof, h, backend)
-        if json_:
-            emit_json(st.as_dict(), path)
-        else:
-            f = st.facts
-            speed = f"{f.speed_mbps} Mb/s {f.duplex or ''}".strip() if f.speed_mbps else "unknown"
-            dr = st.default_route
-            rows = [
-                ("host", f"{st.host} ({st.os}) in profile {st.profile}"),
-                (
-                    "interface",
-                    f"{f.ifname} {'UP' if f.up else 'DOWN'}, "
-                    f"carrier {'yes' if f.carrier else 'no'}",
-                ),
-                ("owner", f"{f.owner}{' (' + f.owner_detail + ')' if f.owner_detail else ''}"),
-                ("addresses", ", ".join(f.addresses) or "none"),
-                ("mtu", str(f.mtu)),
-                ("speed", speed),
-                ("mac", f.mac or "unknown"),
-                ("default route", f"via {dr.gateway} dev {dr.ifname}" if dr else "none"),
-            ]
-            for k, v in rows:
-                console.print(f"{k:>14}  {v}", markup=False)
-            if not st.drift:
-                console.print(f"{'drift':>14}  {verdict(Verdict.PASS)} none: link is as profiled")
-            for d in st.drift:
-                console.print(
-                    f"{'drift':>14}  {verdict(d.severity)} {d.field}: want {d.want}, have {d.have}"
-                )
-        if not st.ok:
+        while True:
+            st = link.status(prof, h, backend)
+            served = _served(h.role)
+            if json_:
+                data = {**st.as_dict(), "serve": served}
+                if watch:
+                    print_json(data, indent=None)
+                else:
+                    emit_json(data, path)
+            else:
+                _show_status(st, served)
+            failed = not st.ok or ((served or {}).get("watch") or {}).get("verdict") == "FAIL"
+            if not watch:
+                break
+            time.sleep(prof.serve.watch_interval_s or 5.0)
+            if not json_:
+                console.print()
+        if failed:
             raise typer.Exit(1)
+
+
+def _served(role: str) -> dict | None:
+    """This host's serve status (its watch included), or None when serve never ran."""
+    from linkctl.core.errors import InputError
+    from linkctl.core.records import load_status, status_path
+
+    p = status_path(role)
+    if not p.is_file():
+        return None
+    try:
+        return load_status(p).model_dump(mode="json")
+    except InputError as e:
+        return {"error": e.message}
+
+
+def _show_status(st: LinkStatus, served: dict | None) -> None:
+    f = st.facts
+    speed = f"{f.speed_mbps} Mb/s {f.duplex or ''}".strip() if f.speed_mbps else "unknown"
+    dr = st.default_route
+    rows = [
+        ("host", f"{st.host} ({st.os}) in profile {st.profile}"),
+        (
+            "interface",
+            f"{f.ifname} {'UP' if f.up else 'DOWN'}, carrier {'yes' if f.carrier else 'no'}",
+        ),
+        ("owner", f"{f.owner}{' (' + f.owner_detail + ')' if f.owner_detail else ''}"),
+        ("addresses", ", ".join(f.addresses) or "none"),
+        ("mtu", str(f.mtu)),
+        ("speed", speed),
+        ("mac", f.mac or "unknown"),
+        ("default route", f"via {dr.gateway} dev {dr.ifname}" if dr else "none"),
+    ]
+    for k, v in rows:
+        console.print(f"{k:>14}  {v}", markup=False)
+    if not st.drift:
+        console.print(f"{'drift':>14}  {verdict(Verdict.PASS)} none: link is as profiled")
+    for d in st.drift:
+        what = f"{d.field}: want {d.want}, have {d.have}"
+        console.print(f"{'drift':>14}  {verdict(d.severity)} {what}")
+    if served is None:
+        console.print(f"{'serve':>14}  not running here (no status)", markup=False)
+        return
+    console.print(
+        f"{'serve':>14}  {served.get('name')} {served.get('state')}, "
+        f"{served.get('starts')} start(s)",
+        markup=False,
+    )
+    w = served.get("watch")
+    if not w:
+        return
+    console.print(
+        f"{'watch':>14}  {verdict(Verdict(w['verdict']))} since {w['since']}, mode {w['mode']}"
+        f" (checked {w['checked_at']})"
+    )
+    for r in w["reasons"]:
+        console.print(f"{'':>14}  {r}", markup=False)
+    figs = ", ".join(f"{k} {v}" for k, v in w["figures"].items() if v is not None)
+    console.print(f"{'figures':>14}  {figs}", markup=False)
+    c = w.get("canary")
+    if c:
+        console.print(
+            f"{'canary':>14}  {verdict(Verdict(c['verdict']))} {c['detail']} ({c['why']}, "
+            f"{c['time']}, {c['wall_s']} s)"
+        )

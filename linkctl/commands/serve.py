@@ -35,12 +35,15 @@ def verify_gate(
     from linkctl.core.errors import CheckFailed
     from linkctl.core.log import speaker
     from linkctl.llama import rpc
-    from linkctl.serve.verify import VerifyOptions, verify
+    from linkctl.serve.verify import VerifyOptions, record_fingerprint, verify
 
     say = speaker("verify")
     for h in prof.rpc_hosts:  # the rpc hosts may still be starting, as run_head allows
         rpc.wait_ready(h.rpc_bind, h.rpc.port, wait)
     rep = verify(prof, VerifyOptions(model=model, split=choice), bins, say=say)
+    rep.fingerprint = record_fingerprint(rep)
+    if rep.fingerprint:
+        say(f"canary fingerprint: {rep.fingerprint}")
     for ln in rep.lines:
         say(f"{ln.verdict} {ln.name}: {ln.detail}")
     say(rep.summary())
@@ -167,7 +170,7 @@ def register(app: typer.Typer) -> None:
             if json_:
                 emit_json(plan.as_dict(), path)
             bins.need("rpc-server")
-            raise typer.Exit(run.run_rpc(plan, h, backend))
+            raise typer.Exit(run.run_rpc(plan, prof, h, backend))
         auth.serve_auth(prof)  # an open API is refused before anything starts
         bins.need("llama-server")
         run.model_path_check(model or prof.serve.model)
@@ -178,7 +181,7 @@ def register(app: typer.Typer) -> None:
             emit_json(plan.as_dict(), path)
         if verify or prof.serve.verify:
             verify_gate(prof, bins, plan.model, wait, choice)
-        raise typer.Exit(run.run_head(plan, prof, bins, wait_s=wait, split=choice))
+        raise typer.Exit(run.run_head(plan, prof, bins, wait_s=wait, split=choice, backend=backend))
 
 
 def _probe_gate(prof: Profile, h: HostSpec, backend: Backend, skip_probe: bool) -> None:

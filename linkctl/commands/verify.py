@@ -65,9 +65,10 @@ def run_verify(
 ) -> int:
     """Run, print (lines or JSON), return the exit code."""
     from linkctl.core.log import speaker
-    from linkctl.serve.verify import verify
+    from linkctl.serve.verify import record_fingerprint, verify
 
     rep = verify(prof, opts, bins, say=speaker("verify"), dry_run=dry_run)
+    rep.fingerprint = record_fingerprint(rep)
     if json_:
         emit_json(rep.as_dict(), profile_path)
     else:
@@ -109,6 +110,16 @@ def register(app: typer.Typer) -> None:
         tokens: Annotated[
             int, typer.Option("--tokens", help="Tokens generated per fixed prompt.")
         ] = 24,
+        canary: Annotated[
+            bool,
+            typer.Option(
+                "--canary",
+                help="Run the canary now on the llama-server serve runs: the first "
+                "serve.canary_tokens positions of the fixed prompts against the "
+                "fingerprint the last verify of that model recorded. A FAIL takes the "
+                "split out of service (serve.on_fail).",
+            ),
+        ] = False,
         calibration: CalibrationOpt = None,
         dry_run: DryRunOpt = False,
         json_: JsonOpt = False,
@@ -125,10 +136,16 @@ def register(app: typer.Typer) -> None:
         token disagreement in the first 16 positions. The rpc hosts must run
         `linkctl serve` and no llama-server may hold them.
 
-        Exit 0 PASS or WARN, 1 FAIL, 2 bad input or environment.
+        A verify that passes keeps its reference run as the canary's fingerprint
+        (serve/fingerprint-*.json): `serve` repeats a short part of it on the live
+        server after every start, every serve.canary_interval_s, and with --canary.
+
+        Exit 0 PASS or WARN, 1 FAIL (--canary: anything but PASS), 2 bad input or
+        environment.
 
         Examples:
           linkctl verify
+          sudo linkctl verify --canary --json
           linkctl verify --model /models/m.gguf --json
           linkctl verify --reference split --dry-run
           linkctl verify --split llama
@@ -147,6 +164,8 @@ def register(app: typer.Typer) -> None:
                 f"verify runs on the head ({prof.head.name}); this host is {h.name} ({h.role})",
                 f"run it on {prof.head.name}",
             )
+        if canary:
+            raise typer.Exit(_canary(prof, model, json_, path))
         bins = find_bins(h.llama_bin_dir)
         opts = VerifyOptions(
             model=model,
@@ -159,3 +178,30 @@ def register(app: typer.Typer) -> None:
         code = run_verify(prof, opts, bins, path, json_=json_, dry_run=dry_run)
         if code:
             raise typer.Exit(code)
+
+
+def _canary(prof: Profile, model: str | None, json_: bool, profile_path: Path) -> int:
+    """`verify --canary`: the canary on the serving llama-server, its result saved where
+    serve's watch takes it in (serve/canary.json)."""
+    from linkctl.core.checks import Verdict
+    from linkctl.core.records import canary_path, save_record
+    from linkctl.llama.client import LlamaServer
+    from linkctl.serve.auth import read_api_keys
+    from linkctl.serve.canary import fingerprint_for, run_canary
+
+    s = prof.serve
+    target = model or s.model
+    fp = fingerprint_for(prof.name, target)
+    keys = read_api_keys(s.api_key_file) if s.api_key_file else []
+    host = "127.0.0.1" if s.host.is_unspecified else str(s.host)
+    server = LlamaServer(
+        host, s.port, headers={"Authorization": f"Bearer {keys[0]}"} if keys else {}, timeout=60
+    )
+    res = run_canary(server, fp, s.canary_tokens, "demand")
+    saved = save_record(res, canary_path())
+    if json_:
+        emit_json({**res.model_dump(mode="json"), "saved": str(saved)}, profile_path)
+    else:
+        verdict_lines([(res.verdict, "canary", res.detail, None)])
+        console.print(f"{res.wall_s} s on {server.url}; saved {saved}", markup=False)
+    return 0 if res.verdict is Verdict.PASS else 1

@@ -53,8 +53,9 @@ VERDICT_STYLE = {
 }
 
 
-def print_json(data: Any) -> None:
-    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+def print_json(data: Any, indent: int | None = 2) -> None:
+    sys.stdout.write(json.dumps(data, indent=indent, default=str) + "\n")
+    sys.stdout.flush()  # a line at a time to a pipe (status --watch --json | jq)
 
 
 def verdict(v: Verdict) -> str:

@@ -157,6 +157,25 @@ class ServeSpec(_Strict):
     # or an explicit opt-out.
     api_key_file: str | None = None
     allow_unauthenticated: bool = False
+    # The watch while serving (linkctl/serve/watch.py): every watch_interval_s (0: off)
+    # the link, the live RPC connection, rpc-server and decode speed are judged; a FAIL
+    # applies on_fail: "stop" (no split until it clears), "fallback" (llama-server on
+    # the head alone, or fallback_model, until the link has held fallback_hold_s), or
+    # "keep" (say it, change nothing).
+    watch_interval_s: float = Field(default=5.0, ge=0, le=3600)
+    # rpc-server silent this long while a request waits is a FAIL (a large model's
+    # prefill step can take seconds on a slow host: not shorter than that).
+    watch_stall_s: float = Field(default=10.0, ge=0.5, le=3600)
+    on_fail: Literal["stop", "fallback", "keep"] = "stop"
+    fallback_model: str | None = None
+    fallback_hold_s: float = Field(default=60.0, ge=0, le=86400)
+    # The canary: verify's fixed prompts, greedy, compared with the fingerprint verify
+    # recorded; after every start of llama-server and every canary_interval_s (0: only
+    # after starts and on demand, `linkctl verify --canary`).
+    canary_interval_s: float = Field(default=0.0, ge=0, le=86400)
+    canary_tokens: int = Field(default=8, ge=1, le=24)
+    # Prometheus textfile the watch rewrites every interval (node_exporter's collector).
+    metrics_textfile: str | None = None
 
     @field_validator("api_key_file")
     @classmethod

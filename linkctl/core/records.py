@@ -427,6 +427,85 @@ class ServeStatus(Record):
     ready_at: str | None = None
     ready_after_s: float | None = None
     events: list[dict[str, Any]] = Field(default_factory=list)
+    watch: WatchRecord | None = None  # the watch while it serves (linkctl/serve/watch.py)
+
+
+class WatchFinding(_Part):
+    check: str  # carrier, speed, rtt, retransmits, rpc, stall, decode, canary, ping
+    verdict: Verdict
+    detail: str
+
+
+class CanaryRecord(Record):
+    """One canary run (linkctl/serve/canary.py): the served split's short greedy run
+    against the fingerprint verify recorded. serve/canary.json holds the last one."""
+
+    time: str
+    verdict: Verdict
+    detail: str
+    why: str  # start, schedule, demand
+    wall_s: float
+    model: str
+
+
+class WatchRecord(_Part):
+    """The watch's verdict: the worst finding, since when, and the figures behind it."""
+
+    verdict: Verdict = Verdict.PASS
+    since: str
+    reasons: list[str] = Field(default_factory=list)
+    findings: list[WatchFinding] = Field(default_factory=list)
+    figures: dict[str, float | int | str | None] = Field(default_factory=dict)
+    mode: str = "split"  # split, alone (serve.on_fail = "fallback"), stopped
+    mode_since: str | None = None
+    mode_reason: str | None = None
+    on_fail: str = "stop"
+    interval_s: float
+    checked_at: str
+    ticks: int = 0
+    link_held_s: float = 0.0  # how long the link has passed without a break
+    canary: CanaryRecord | None = None
+
+
+class Fingerprint(Record):
+    """What the canary compares with: verify's reference run of the fixed prompts
+    (token ids and top-k log-probabilities per position) for one model and profile."""
+
+    profile: str
+    model: str
+    model_bytes: int
+    model_mtime_ns: int
+    recorded_at: str
+    tolerance: dict[str, Any]  # linkctl.serve.logprobs.Tolerance, as_dict()
+    logit_bias: list[list[int | bool]] = Field(default_factory=list)
+    prompts: list[str]
+    steps: list[list[dict[str, Any]]]  # per prompt, per position: a Step as a dict
+
+
+def fingerprint_path(profile: str, model: str) -> Path:
+    """One per profile and model path (the canary of the model serve runs, whatever
+    else was verified since)."""
+    import hashlib
+
+    key = hashlib.sha256(model.encode()).hexdigest()[:12]
+    return state_dir() / "serve" / f"fingerprint-{profile}-{key}.json"
+
+
+def canary_path(root: Path | None = None) -> Path:
+    return (root or state_dir()) / "serve" / "canary.json"
+
+
+def save_record(record: Record, path: Path) -> Path:
+    write_atomic(path, dump(record, exclude_unset=False))
+    return path
+
+
+def load_fingerprint(path: Path) -> Fingerprint:
+    return load(Fingerprint, path, "canary fingerprint", "run `sudo linkctl verify` again")
+
+
+def load_canary(path: Path) -> CanaryRecord:
+    return load(CanaryRecord, path, "canary result", "run `sudo linkctl verify --canary`")
 
 
 def status_path(role: str, root: Path | None = None) -> Path:

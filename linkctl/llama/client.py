@@ -139,6 +139,31 @@ class LlamaServer:
             time.sleep(0.2)
         raise CheckFailed(f"llama-server on {self.url} not healthy within {timeout:g} s")
 
+    def metrics(self, timeout: float = 2.0) -> dict[str, float]:
+        """GET /metrics (llama-server --metrics): Prometheus text, ``llamacpp:NAME value``
+        lines (tools/server/server-context.cpp, the metrics handler) as {NAME: value}."""
+        conn = self.connect(timeout)
+        where = f"{self.url}/metrics"
+        try:
+            conn.request("GET", "/metrics", headers=self.headers)
+            r = conn.getresponse()
+            raw = r.read().decode(errors="replace")
+        except (OSError, http.client.HTTPException) as e:
+            raise UpstreamError(f"{where}: {type(e).__name__}: {e}", url=where) from None
+        finally:
+            conn.close()
+        if r.status != 200:
+            raise UpstreamError(f"{where}: HTTP {r.status}", url=where, status=r.status)
+        out = {}
+        for line in raw.splitlines():
+            name, _, value = line.partition(" ")
+            if name.startswith("llamacpp:"):
+                try:
+                    out[name.removeprefix("llamacpp:")] = float(value)
+                except ValueError:
+                    continue
+        return out
+
     def props(
         self, headers: dict[str, str] | None = None, timeout: float | None = None
     ) -> dict[str, Any]:

@@ -90,6 +90,7 @@ class ServerInvocation:
     kv: KvLayout = KvLayout()
     devices: tuple[str, ...] = ()  # --device, e.g. RPC0
     verbosity: int | None = None  # -lv
+    metrics: bool = False  # --metrics: /metrics, the counters serve's watch reads
     extra_args: tuple[str, ...] = ()
 
     def argv(self) -> list[str]:
@@ -112,6 +113,7 @@ class ServerInvocation:
             a += ["-fa", kv.flash_attn]
         if self.devices:
             a += ["--device", ",".join(self.devices)]
+        a += ["--metrics"] if self.metrics else []
         return a + _opt("-lv", self.verbosity) + list(self.extra_args)
 
     @property

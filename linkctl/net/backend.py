@@ -13,7 +13,7 @@ from typing import Any, Protocol
 from linkctl.core.errors import InputError
 from linkctl.core.profile import HostSpec, LinkSpec
 from linkctl.core.runner import Runner, default_runner
-from linkctl.net.netstate import LinkFacts, Route
+from linkctl.net.netstate import LinkFacts, Route, TcpConn
 from linkctl.net.plan import Change, Plan
 
 
@@ -32,6 +32,10 @@ class Backend(Protocol):
 
     def default_route(self) -> Route | None:
         """The IPv4 default route, or None."""
+
+    def tcp_connections(self, remotes: list[str]) -> list[TcpConn]:
+        """This network namespace's established TCP connections to any of ``remotes``
+        ("ip:port"), with the kernel's figures; [] where the OS does not give them."""
 
     def ping_argv(self, address: str, **kw: Any) -> list[str]:
         """argv for this OS's ping (linkctl.net.ping): size, count, timeout_s, interval_s,

@@ -22,7 +22,7 @@ from linkctl.core.errors import ApplyError, CheckFailed, InputError
 from linkctl.core.profile import HostSpec, LinkSpec
 from linkctl.core.runner import CommandFailed, Runner
 from linkctl.net import rtnl
-from linkctl.net.netstate import LinkFacts, Route
+from linkctl.net.netstate import LinkFacts, Route, TcpConn
 from linkctl.net.plan import ALL_EFFECTS, Change, Kind, Plan
 
 if TYPE_CHECKING:
@@ -87,6 +87,12 @@ def link_kind(ifname: str, sys_net: Path = Path("/sys/class/net")) -> str:
     except (OSError, ValueError):
         return "other"
     return "wired" if arphrd == 1 else "other"
+
+
+# linux/tcp_states.h TCP_ESTABLISHED = 1, as a state bitmask; linux/inet_diag.h
+# INET_DIAG_INFO = 2, requested as bit (2 - 1).
+_TCP_ESTABLISHED = 1 << 1
+_INET_DIAG_INFO = 1 << 1
 
 
 class LinuxBackend:
@@ -162,6 +168,40 @@ class LinuxBackend:
                 )
             )
         return out
+
+    def tcp_connections(self, remotes: list[str]) -> list[TcpConn]:
+        # sock_diag, as `ss -ti` reads it (linux/inet_diag.h: INET_DIAG_INFO carries
+        # struct tcp_info); pyroute2 is imported here only: serve's watch asks, the
+        # read-only commands never do.
+        from pyroute2 import DiagSocket
+
+        want = set(remotes)
+        out = []
+        with DiagSocket() as ds:
+            ds.bind()
+            msgs = ds.get_sock_stats(
+                family=socket.AF_INET, states=_TCP_ESTABLISHED, extensions=_INET_DIAG_INFO
+            )
+        for m in msgs:
+            remote = f"{m['idiag_dst']}:{m['idiag_dport']}"
+            info = m.get_attr("INET_DIAG_INFO")
+            if remote not in want or info is None:
+                continue
+            out.append(
+                TcpConn(
+                    local=f"{m['idiag_src']}:{m['idiag_sport']}",
+                    remote=remote,
+                    rtt_ms=info["tcpi_rtt"] / 1000,
+                    min_rtt_ms=info["tcpi_min_rtt"] / 1000,
+                    retrans_total=info["tcpi_total_retrans"],
+                    unacked=info["tcpi_unacked"],
+                    last_send_ms=info["tcpi_last_data_sent"],
+                    last_recv_ms=info["tcpi_last_data_recv"],
+                    bytes_sent=info["tcpi_bytes_acked"],
+                    bytes_received=info["tcpi_bytes_received"],
+                )
+            )
+        return sorted(out, key=lambda c: (c.remote, c.local))
 
     def ping_argv(self, address: str, **kw: Any) -> list[str]:
         """argv for iputils ping (see linkctl.net.ping: size, count, timeout_s, interval_s,

@@ -55,7 +55,7 @@ from linkctl.net.macos_parse import (
     parse_service_order,
     port_kind,
 )
-from linkctl.net.netstate import LinkFacts, Route
+from linkctl.net.netstate import LinkFacts, Route, TcpConn
 from linkctl.net.plan import Change, Effect, Kind, Plan
 
 NETWORKSETUP = "networksetup"
@@ -184,6 +184,13 @@ class MacBackend:
         return self._ranges[ifname]
 
     # ---- facts ------------------------------------------------------------------
+
+    def tcp_connections(self, remotes: list[str]) -> list[TcpConn]:
+        # macOS keeps per-connection RTT (struct tcp_connection_info, TCP_CONNECTION_INFO)
+        # but gives it only to the socket's owner, and no recorded output of a tool that
+        # prints it for another process is at hand to parse: the watch's ping sample and
+        # decode rate stand in there (not verified on a real Mac).
+        return []
 
     def ping_argv(self, address: str, **kw: object) -> list[str]:
         """argv for macOS ping (see linkctl.net.ping: size, count, timeout_s, interval_s,

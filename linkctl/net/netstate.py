@@ -68,6 +68,27 @@ class LinkFacts:
         return d
 
 
+@dataclass(frozen=True)
+class TcpConn:
+    """One established TCP connection as the kernel keeps it (Linux: struct tcp_info
+    through sock_diag, include/uapi/linux/tcp.h); times in ms. The watch reads the live
+    RPC connection's figures here instead of adding traffic of its own."""
+
+    local: str  # "ip:port"
+    remote: str  # "ip:port"
+    rtt_ms: float  # smoothed RTT (tcpi_rtt)
+    min_rtt_ms: float  # lowest RTT seen on this connection (tcpi_min_rtt)
+    retrans_total: int  # segments retransmitted over its life (tcpi_total_retrans)
+    unacked: int  # segments sent and not acknowledged yet
+    last_send_ms: int  # since data was last sent
+    last_recv_ms: int  # since data was last received
+    bytes_sent: int
+    bytes_received: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 @dataclass
 class Drift:
     field: str

@@ -23,6 +23,7 @@ from linkctl.core.checks import Verdict
 from linkctl.core.errors import CheckFailed
 
 N_PREDICT = 24
+N_PROBS = 8  # top-k log-probabilities compared per position
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,33 @@ class Step:
     # False: llama-server sent no probabilities for this token (its text is incomplete
     # UTF-8, see greedy_steps); only the token is compared there.
     has_probs: bool = True
+
+
+def step_to_json(s: Step) -> dict[str, Any]:
+    """A step as JSON holds it (the canary's fingerprint): JSON has no NaN or inf, so
+    None stands for NaN and "-inf" for log 0."""
+    d = asdict(s)
+    d["logprob"] = _num_out(s.logprob)
+    d["top"] = {str(k): _num_out(v) for k, v in s.top.items()}
+    return d
+
+
+def step_from_json(d: dict[str, Any]) -> Step:
+    return Step(
+        token=int(d["token"]),
+        logprob=_num_in(d["logprob"]),
+        top={int(k): _num_in(v) for k, v in d["top"].items()},
+        text=str(d.get("text", "")),
+        has_probs=bool(d.get("has_probs", True)),
+    )
+
+
+def _num_out(v: float) -> float | str | None:
+    return None if math.isnan(v) else ("-inf" if v == -math.inf else v)
+
+
+def _num_in(v: float | str | None) -> float:
+    return math.nan if v is None else float(v)
 
 
 def parse_probs(body: dict[str, Any]) -> list[Step]:

@@ -162,6 +162,7 @@ def rpc_connections_lost(pid: int, endpoints: list[str]) -> str | None:
 
 def run_rpc(
     plan: ServePlan,
+    profile: Profile,
     host: HostSpec,
     backend: Backend,
     *,
@@ -184,7 +185,29 @@ def run_rpc(
 
     spec = ChildSpec("rpc-server", plan.invocation.argv(), ready=ready, ready_timeout=60)
     sup = Supervisor(spec, policy=policy, log=log, status_path=status_path("rpc"))
-    return sup.run()
+    if not profile.serve.watch_interval_s:
+        return sup.run()
+    from linkctl.serve.guard import RpcGuard, publisher, watch_config
+    from linkctl.serve.sampling import Sampler
+    from linkctl.serve.watch import Watch
+
+    sampler = Sampler(
+        backend,
+        host.interface,
+        peers=[profile.head.ip],
+        ends=[f"{host.rpc_bind}:{port}"],
+        child=lambda: sup.status.child_pid,
+    )
+    pub = publisher(sup.set_watch, profile.serve.metrics_textfile, (profile.name, host.name, "rpc"))
+    watch = Watch(watch_config(profile, host, backend), sampler, on_record=pub)
+    guard = RpcGuard(watch)
+    spec.healthy, spec.on_ready = guard.healthy, guard.on_ready
+    spec.health_interval = 0.5
+    watch.start()
+    try:
+        return sup.run()
+    finally:
+        watch.stop()
 
 
 def wait_endpoints(
@@ -218,7 +241,10 @@ def run_head(
     wait_s: float = 60.0,
     policy: Policy | None = None,
     split: SplitChoice | None = None,
+    backend: Backend | None = None,
 ) -> int:
+    """The head's llama-server, supervised; under the watch (serve.watch_interval_s)
+    when ``backend`` is given to read the link with."""
     from linkctl.core.records import status_path
 
     local = None
@@ -254,14 +280,102 @@ def run_head(
         except InputError as e:
             return e.message
 
-    spec = llama_server_child(
-        plan.head,
-        healthy=lambda pid: rpc_connections_lost(pid, plan.endpoints),
-        health_interval=0.5,
-        before_start=before_start,
+    if not profile.serve.watch_interval_s or backend is None:
+        spec = llama_server_child(
+            plan.head,
+            healthy=lambda pid: rpc_connections_lost(pid, plan.endpoints),
+            health_interval=0.5,
+            before_start=before_start,
+        )
+        return Supervisor(spec, policy=policy, log=log, status_path=status_path("head")).run()
+    return _run_head_watched(plan, profile, backend, before_start, say, log, policy, split)
+
+
+def _run_head_watched(
+    plan: ServePlan,
+    profile: Profile,
+    backend: Backend,
+    endpoints_answer: Callable[[], str | None],
+    say: Say,
+    log: IO[str] | None,
+    policy: Policy | None,
+    split: SplitChoice | None,
+) -> int:
+    """llama-server under the watch and serve.on_fail (linkctl.serve.guard)."""
+    from linkctl.core.records import status_path
+    from linkctl.serve.auth import read_api_keys
+    from linkctl.serve.canary import fingerprint_for
+    from linkctl.serve.guard import HeadGuard, fallback_invocation, publisher, watch_config
+    from linkctl.serve.sampling import Sampler
+
+    split_inv = plan.head.changed(metrics=True)
+    keys = read_api_keys(profile.serve.api_key_file) if profile.serve.api_key_file else []
+    server = LlamaServer.serving(
+        split_inv, headers={"Authorization": f"Bearer {keys[0]}"} if keys else {}, timeout=60
     )
-    sup = Supervisor(spec, policy=policy, log=log, status_path=status_path("head"))
-    return sup.run()
+    try:
+        fingerprint = fingerprint_for(profile.name, split_inv.model)
+    except InputError as e:
+        fingerprint = None
+        say(f"canary off: {e.message} ({e.fix})")
+    alone = fallback_invocation(profile, split_inv)
+    if profile.serve.on_fail == "fallback":
+        say(f"on_fail = fallback: {alone[1]}")
+    cfg = watch_config(profile, profile.head, backend)
+    if split is not None and split.predicted_decode_tok_s:
+        cfg.decode_ref, cfg.decode_source = split.predicted_decode_tok_s, "estimate"
+    sampler = Sampler(
+        backend,
+        profile.head.interface,
+        peers=[h.ip for h in profile.rpc_hosts],
+        ends=plan.endpoints,
+        server=server,
+    )
+    holder: list[Supervisor] = []
+    labels = (profile.name, profile.head.name, "head")
+    guard = HeadGuard(
+        profile,
+        cfg,
+        sampler,
+        server,
+        endpoints_answer,
+        alone,
+        fingerprint,
+        say,
+        publisher(lambda r: holder[0].set_watch(r), profile.serve.metrics_textfile, labels),
+    )
+
+    def split_healthy(pid: int) -> str | None:
+        lost = rpc_connections_lost(pid, plan.endpoints)
+        return guard.endpoint_lost(lost) if lost else guard.healthy(pid)
+
+    split_spec = llama_server_child(
+        split_inv,
+        healthy=split_healthy,
+        health_interval=0.5,
+        before_start=guard.before_start,
+        on_ready=guard.on_ready,
+    )
+    alone_spec = (
+        llama_server_child(
+            alone[0], healthy=guard.healthy, health_interval=0.5, on_ready=guard.on_ready
+        )
+        if alone[0] is not None
+        else split_spec
+    )
+    sup = Supervisor(
+        split_spec,
+        policy=policy,
+        log=log,
+        status_path=status_path("head"),
+        choose=lambda: alone_spec if guard.choose_alone() else split_spec,
+    )
+    holder.append(sup)
+    guard.watch.start()
+    try:
+        return sup.run()
+    finally:
+        guard.watch.stop()
 
 
 def port_held(host: str, port: int) -> str | None:

@@ -27,7 +27,7 @@ from typing import IO, Any
 
 from linkctl.core.log import speaker, stamp, write_line
 from linkctl.core.paths import write_atomic
-from linkctl.core.records import ServeStatus, dump
+from linkctl.core.records import ServeStatus, WatchRecord, dump
 from linkctl.core.runner import Runner, default_runner, stop_process
 from linkctl.core.stopflag import StopFlag
 
@@ -46,6 +46,13 @@ class ChildSpec:
     # Before every start: block until the child can start (e.g. its rpc
     # endpoints answer). Returns None when ready, else a reason to wait/retry.
     before_start: Callable[[], str | None] | None = None
+    # Once it is ready (its pid): the watch's canary runs on every start.
+    on_ready: Callable[[int], None] | None = None
+
+
+class Switch(str):
+    """A reason ``healthy`` gives to restart the child now, as whatever ``choose`` picks
+    next (the split, or the head alone): a decision, not a failure, so no backoff."""
 
 
 @dataclass
@@ -70,8 +77,11 @@ class Supervisor:
         runner: Runner | None = None,
         log: IO[str] | None = None,
         status_path: Path | None = None,
+        choose: Callable[[], ChildSpec] | None = None,
     ):
         self.spec = spec
+        self.choose = choose  # before every start: the spec to start (serve.on_fail)
+        self._write_lock = threading.Lock()  # the watch's thread writes the status too
         self.policy = policy or Policy()
         self.runner = runner or default_runner()
         self.out = log or sys.stderr
@@ -93,7 +103,12 @@ class Supervisor:
     def _write_status(self) -> None:
         if not self.status_path:
             return
-        write_atomic(self.status_path, dump(self.status, exclude_unset=False))
+        with self._write_lock:
+            write_atomic(self.status_path, dump(self.status, exclude_unset=False))
+
+    def set_watch(self, record: WatchRecord) -> None:
+        self.status.watch = record
+        self._write_status()
 
     def _pump(self, stream: IO[bytes]) -> None:
         for raw in iter(stream.readline, b""):
@@ -187,6 +202,9 @@ class Supervisor:
         self.log(f"supervising: {' '.join(self.spec.argv)}")
         try:
             while not self._stop.is_set():
+                if self.choose is not None:
+                    self.spec = self.choose()
+                    self.status.argv = list(self.spec.argv)
                 if not self._wait_prerequisites():
                     break
                 now = time.monotonic()
@@ -218,6 +236,8 @@ class Supervisor:
                     self.status.ready_after_s = round(took, 3)
                     self.log(f"ready after {took:.2f} s")
                     self.event("ready", pid=proc.pid, after_s=round(took, 3))
+                    if self.spec.on_ready is not None:
+                        self.spec.on_ready(proc.pid)
                     t_ready = time.monotonic()
                     why = self._watch(proc)
                     ready_for = time.monotonic() - t_ready
@@ -231,6 +251,8 @@ class Supervisor:
                     f"pid {proc.pid} {why} (exit {rc}){'; last output: ' + tail if tail else ''}"
                 )
                 self.event("exit", pid=proc.pid, code=rc, reason=why)
+                if isinstance(why, Switch):
+                    continue
                 failures = 0 if ready_for >= pol.reset_after else failures + 1
                 delay = min(pol.backoff_max, pol.backoff_initial * 2 ** max(0, failures - 1))
                 self.status.state = "backoff"
@@ -259,6 +281,8 @@ class Supervisor:
                 return f"exited {rc}"
             if self.spec.healthy and time.monotonic() >= next_check:
                 reason = self.spec.healthy(proc.pid)
+                if isinstance(reason, Switch):
+                    return reason
                 if reason:
                     return f"unhealthy: {reason}"
                 next_check = time.monotonic() + self.spec.health_interval

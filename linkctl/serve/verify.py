@@ -28,7 +28,16 @@ from linkctl.gguf.info import ModelInfo
 from linkctl.llama.bins import LlamaBins
 from linkctl.llama.client import LlamaServer
 from linkctl.llama.invocation import split_text
-from linkctl.serve.logprobs import N_PREDICT, PromptResult, Step, Tolerance, compare, parse_probs
+from linkctl.serve.greedy import greedy_steps
+from linkctl.serve.logprobs import (
+    N_PREDICT,
+    N_PROBS,
+    PromptResult,
+    Step,
+    Tolerance,
+    compare,
+    step_to_json,
+)
 from linkctl.serve.placement import (
     CTX,
     Device,
@@ -49,7 +58,6 @@ PROMPTS = (
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
 )
 
-N_PROBS = 8  # top-k log-probabilities compared per position
 
 # The default model: small enough to load and run in a second, big enough to split.
 TINY = {"n_layer": 6, "n_embd": 128, "n_head": 4, "n_ff": 384, "n_ctx": 512}
@@ -96,6 +104,10 @@ class VerifyReport:
     elapsed_s: float = 0.0
     dry_run: bool = False
     timings: dict[str, float] = field(default_factory=dict)
+    # The reference run itself: the canary's fingerprint (linkctl.serve.canary).
+    reference_steps: list[list[Step]] = field(default_factory=list)
+    logit_bias: list[list[int | bool]] = field(default_factory=list)
+    fingerprint: Path | None = None  # where the reference run was kept for the canary
 
     @property
     def verdict(self) -> Verdict:
@@ -147,6 +159,7 @@ class VerifyReport:
                 for c in self.lines
             ],
             "timings_s": self.timings,
+            "fingerprint": str(self.fingerprint) if self.fingerprint else None,
             "elapsed_s": round(self.elapsed_s, 2),
             "dry_run": self.dry_run,
         }
@@ -197,45 +210,6 @@ def plan_unwritten(
     return rep
 
 
-def greedy_steps(server: LlamaServer, prompt: str, opts: VerifyOptions) -> list[Step]:
-    """Greedy decoding one token per request, each request the prompt's token ids plus
-    the tokens chosen so far (the prefix stays in llama-server's prompt cache). One
-    /completion of n tokens is not enough: llama-server holds back the probabilities of
-    a token whose text is incomplete UTF-8 and sends one merged entry once the text is
-    whole (server-context.cpp process_token), so a byte-level model's positions
-    would be lost. Even one token alone gets no entry when its text is an incomplete
-    UTF-8 sequence; then ``return_tokens`` still names it and only the token is compared
-    there. For linkctl's tiny byte-level model, ``logit_bias`` keeps the greedy choice off
-    the bytes 0x80-0xFF so that every position has its probabilities (the bias acts in
-    the sampler, after the logits the probabilities are computed from)."""
-    ids = server.tokenize(prompt)
-    if not ids:
-        raise CheckFailed(f"llama-server tokenized the prompt {prompt[:30]!r} to nothing")
-    steps: list[Step] = []
-    for _ in range(opts.n_predict):
-        body = {
-            "prompt": ids + [st.token for st in steps],
-            "n_predict": 1,
-            "n_probs": opts.n_probs,
-            "temperature": 0,
-            "ignore_eos": True,
-            "cache_prompt": True,
-            "seed": 0,
-            "return_tokens": True,
-            "logit_bias": opts.logit_bias,
-        }
-        r = server.call("POST", "/completion", body, timeout=300)
-        toks = r.get("tokens") or []
-        if not r.get("completion_probabilities") and len(toks) == 1:
-            got = [Step(int(toks[0]), math.nan, {}, "", has_probs=False)]
-        else:
-            got = parse_probs(r)
-        if len(got) != 1:
-            raise CheckFailed(f"llama-server answered {len(got)} positions for one token")
-        steps.append(got[0])
-    return steps
-
-
 def run_prompts(
     pl: Placement, opts: VerifyOptions, log_dir: Path, say: Say, runner: Runner
 ) -> tuple[list[list[Step]], dict[str, float]]:
@@ -250,7 +224,7 @@ def run_prompts(
         say(f"{pl.role}: ready in {t_load:.1f} s")
         out = []
         for i, prompt in enumerate(opts.prompts, 1):
-            steps = greedy_steps(server, prompt, opts)
+            steps = greedy_steps(server, prompt, opts.n_predict, opts.n_probs, opts.logit_bias)
             say(f"{pl.role}: prompt {i}/{len(opts.prompts)}: {len(steps)} tokens")
             out.append(steps)
     pl.buffers_mib = model_buffers(log.read_text(errors="replace"))
@@ -361,6 +335,30 @@ def plan(
     )
 
 
+def record_fingerprint(rep: VerifyReport) -> Path | None:
+    """Keep the reference run of a verify that did not FAIL as the canary's fingerprint
+    for this profile and model (linkctl.serve.canary); None when there is nothing to
+    keep (a dry run, a FAIL)."""
+    from linkctl.core.log import stamp
+    from linkctl.core.records import Fingerprint, fingerprint_path, save_record
+
+    if rep.dry_run or rep.verdict is Verdict.FAIL or not rep.reference_steps:
+        return None
+    st = os.stat(rep.model)
+    fp = Fingerprint(
+        profile=rep.profile,
+        model=rep.model,
+        model_bytes=st.st_size,
+        model_mtime_ns=st.st_mtime_ns,
+        recorded_at=stamp(),
+        tolerance=rep.tolerance.as_dict(),
+        logit_bias=rep.logit_bias,
+        prompts=rep.prompt_texts,
+        steps=[[step_to_json(s) for s in steps] for steps in rep.reference_steps],
+    )
+    return save_record(fp, fingerprint_path(rep.profile, rep.model))
+
+
 def verify(
     prof: Profile,
     opts: VerifyOptions,
@@ -410,6 +408,7 @@ def verify(
         bufs = ", ".join(f"{k} {v:.1f} MiB" for k, v in pl.buffers_mib.items())
         weights = f"; weights: {bufs}" if bufs else ""
         rep.add(pl.role, Verdict.PASS, f"{pl.kind}: {pl.assignment}{weights}")
+    rep.reference_steps, rep.logit_bias = results["reference"], opts.logit_bias
     for i, (prompt, ref, got) in enumerate(
         zip(opts.prompts, results["reference"], results["split"], strict=True), 1
     ):

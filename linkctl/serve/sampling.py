@@ -1,0 +1,104 @@
+"""Where the watch's readings come from (linkctl.serve.watch.Reading): the net backend
+(carrier, speed, the kernel's TCP figures, ping), llama-server's /metrics, and the
+supervised process itself. Each source that fails says so in the reading; none raises.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from linkctl.core.errors import InputError
+from linkctl.llama.client import UpstreamError
+from linkctl.serve.watch import Reading
+
+if TYPE_CHECKING:
+    from linkctl.llama.client import LlamaServer
+    from linkctl.net.backend import Backend
+
+PING_TIMEOUT_S = 1.0
+
+
+def process_problem(pid: int | None, name: str) -> str | None:
+    """Why the process ``pid`` is not serving (stopped by a signal, a zombie), else None.
+    An exit is the supervisor's to see."""
+    import psutil
+
+    if pid is None:
+        return None
+    try:
+        st = psutil.Process(pid).status()
+    except psutil.NoSuchProcess:
+        return None
+    if st in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+        return f"{name} (pid {pid}) is stopped (SIGSTOP or a debugger): it answers nothing"
+    if st == psutil.STATUS_ZOMBIE:
+        return f"{name} (pid {pid}) has exited"
+    return None
+
+
+@dataclass
+class Sampler:
+    """One reading per call. ``ends``: the RPC connection's known end ("ip:port"): the
+    rpc endpoints on the head (each must be connected while ``expect_connected``), the
+    rpc-server's own address on an rpc host."""
+
+    backend: Backend
+    interface: str
+    peers: list[str]
+    ends: list[str]
+    server: LlamaServer | None = None  # the head's llama-server (--metrics)
+    child: Callable[[], int | None] | None = None  # rpc host: rpc-server's pid
+    expect_connected: Callable[[], bool] = lambda: True
+    errors: dict[str, str] = field(default_factory=dict)
+
+    def __call__(self, idle: bool) -> Reading:
+        r = Reading(mono=time.monotonic(), carrier=False)
+        try:
+            f = self.backend.link_facts(self.interface)
+            r.carrier = f.carrier and f.up
+            r.speed_mbps = f.speed_mbps
+            if not f.up:
+                r.link_error = f"{self.interface} is down"
+        except InputError as e:  # the interface is gone (a deleted veth, a USB NIC pulled)
+            r.link_error = e.message
+        try:
+            r.conns = self.backend.tcp_connections(self.ends)
+        except OSError as e:
+            self.errors["tcp"] = str(e)
+        if self.server is not None and self.expect_connected():
+            have = {c.remote for c in r.conns}
+            r.missing = [e for e in self.ends if e not in have]
+        if self.child is not None:
+            r.process = process_problem(self.child(), "rpc-server")
+        if self.server is not None:
+            try:
+                m = self.server.metrics()
+                r.busy = int(m.get("requests_processing", 0))
+                r.tokens = m.get("tokens_predicted_total")
+                r.token_s = m.get("tokens_predicted_seconds_total")
+            except UpstreamError as e:
+                self.errors["metrics"] = e.message
+        if idle and r.carrier:
+            self._ping(r)
+        return r
+
+    def _ping(self, r: Reading) -> None:
+        from linkctl.net.ping import parse_ping
+
+        worst = None
+        for peer in self.peers:
+            argv = self.backend.ping_argv(peer, count=1, timeout_s=PING_TIMEOUT_S)
+            try:
+                res = self.backend.runner.run(argv, timeout=PING_TIMEOUT_S + 3, check=False)
+            except InputError as e:  # no ping binary, or it hung past its own deadline
+                r.ping_error = f"ping {peer}: {e.message}"
+                return
+            p = parse_ping(res.stdout)
+            if not p.received or p.avg_us is None:
+                r.ping_error = f"ping {peer}: no reply within {PING_TIMEOUT_S:g} s"
+                return
+            worst = max(worst or 0.0, p.avg_us / 1000)
+        r.ping_ms = round(worst, 3) if worst is not None else None
