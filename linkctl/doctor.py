@@ -19,6 +19,7 @@ same facts, so doctor and the real commands cannot disagree:
     probe report     linkctl.serve.run.probe_gate (head) / records.latest_probe (rpc host)
     disagg model, slot directory, kv-agent, servers match   (serve.mode = "disaggregated")
                      linkctl.disagg.checks.doctor_checks (fingerprint, pair.compare_servers)
+    slot restores    linkctl.estimate.ttft.restore_risk (head, disaggregated: serve.model)
 
 Doctor changes nothing on the network. What it sends: an ARP who-has for each peer's
 link address, out of the link interface only; from the head, one TCP connection with
@@ -528,6 +529,24 @@ def check_probe_report(
         res.add("probe report", Verdict.PASS, path.name, f"{path.name}: ok, {age:.0f} s old")
 
 
+def check_restores(res: DoctorResult, model_path: str) -> None:
+    """A WARN, not a FAIL, for a model whose slot restores do not take: route copes."""
+    from linkctl.estimate.ttft import restore_risk
+    from linkctl.gguf.info import read_model
+
+    try:
+        model = read_model(model_path)
+    except InputError as e:
+        res.add("slot restores", Verdict.SKIP, None, e.message)
+        return
+    risk, arch = restore_risk(model), model.architecture
+    if risk is None:
+        res.add("slot restores", Verdict.PASS, arch, f"{arch}: restores reuse the moved cache")
+    else:
+        fix = 'serve a full-attention model, or serve.mode = "split"'
+        res.add("slot restores", Verdict.WARN, arch, risk.text(), fix)
+
+
 # ---- the pass ---------------------------------------------------------------------------------
 
 
@@ -570,6 +589,8 @@ def run(
         from linkctl.disagg.checks import doctor_checks
 
         res.lines += doctor_checks(prof, host, answered, peer_timeout_s)
+        if host.role == "head" and os.path.isfile(prof.serve.model):
+            check_restores(res, prof.serve.model)
     shown = profile_arg or os.environ.get("LINKCTL_PROFILE") or prof.name
     check_services(res, prof, host, shown, service_root)
     check_probe_report(res, prof, host, now)

@@ -54,10 +54,12 @@ from linkctl.disagg.router import (
     GENERATE_PATHS,
     HOP_HEADERS,
     OWNED_PREFIX,
+    EventSniffer,
     Outcome,
     RouteConfig,
     Router,
     request_path,
+    timings_of,
 )
 
 __all__ = ["Outcome", "RouteConfig", "RouteServer", "Router", "request_path"]
@@ -406,15 +408,15 @@ class RouteServer:
                 if keys and auth.removeprefix("Bearer ") not in keys:
                     return error_response(401, "Invalid API Key", kind="authentication_error")
                 return web.json_response(self.router.stats())
-            return await self._relay(request, "GET", target, None, {}, None, reply)
+            return await self._relay(request, "GET", target, None, None, None, reply)
         if path not in GENERATE_PATHS:
-            return await self._relay(request, "POST", target, raw, {}, None, reply)
+            return await self._relay(request, "POST", target, raw, None, None, reply)
         try:
             body = json.loads(raw or b"{}")
         except ValueError:
             body = None
         if not isinstance(body, dict):  # the decode server says what is wrong
-            return await self._relay(request, "POST", target, raw, {}, None, reply)
+            return await self._relay(request, "POST", target, raw, None, None, reply)
         return await self._generate(request, path, target, body, reply)
 
     def _limit(self) -> str:
@@ -442,7 +444,7 @@ class RouteServer:
             await asyncio.shield(stages)
             o.stage = "generate"
             fwd = json.dumps(body | {"id_slot": k, "cache_prompt": True}).encode()
-            return await self._relay(request, "POST", target, fwd, o.headers(), hdrs, reply)
+            return await self._relay(request, "POST", target, fwd, o, hdrs, reply)
         except asyncio.CancelledError:  # the deadline (handle() says so), or the client
             gone = request.transport is None or request.transport.is_closing()
             o.error = f"{o.stage}: " + ("the client went away" if gone else "past the deadline")
@@ -461,12 +463,15 @@ class RouteServer:
         method: str,
         target: str,
         raw: bytes | None,
-        extra: dict[str, str],
+        o: Outcome | None,
         hdrs: dict[str, str] | None,
         reply: _Reply,
     ) -> web.StreamResponse:
         """Send the request to the decode server and copy its answer back as it arrives
-        (an SSE stream chunk by chunk)."""
+        (an SSE stream chunk by chunk). For a generation (``o``), the answer's timings go
+        to ``Router.answered`` as it passes: read from the whole body, which a
+        non-streamed answer's headers wait for anyway (so they say whether a restore
+        took), or from a stream's events, none held back."""
         up, session = self.cfg.decode, self._session
         assert session is not None
         headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
@@ -480,34 +485,46 @@ class RouteServer:
                 allow_redirects=False,
             )
         except (aiohttp.ClientError, OSError) as e:
-            return error_response(502, f"decode server {up.url}: {e}", extra)
+            return error_response(502, f"decode server {up.url}: {e}", _headers(o))
         try:
             out: CIMultiDict[str] = CIMultiDict(
                 (k, v) for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS
             )
-            out.update(extra)
             if upstream.content_length is not None:
                 data = await upstream.read()
+                if o is not None:
+                    self.router.answered(o, timings_of(data))
+                out.update(_headers(o))
                 return web.Response(
                     status=upstream.status, reason=upstream.reason, body=data, headers=out
                 )
+            out.update(_headers(o))
             stream = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             stream.headers.extend(out)
             reply.stream = stream
             await stream.prepare(request)
+            sniff = EventSniffer()
             async for chunk in upstream.content.iter_any():
                 await stream.write(chunk)
+                sniff.feed(chunk)
             await stream.write_eof()
+            if o is not None:
+                self.router.answered(o, sniff.timings)
             return stream
         except (aiohttp.ClientError, ConnectionError) as e:
             # The decode server, or the client, went away mid-answer.
             if reply.stream is None:
-                return error_response(502, f"decode server {up.url}: {e}", extra)
+                return error_response(502, f"decode server {up.url}: {e}", _headers(o))
             if request.transport is not None:
                 request.transport.abort()
             return reply.stream
         finally:
             upstream.close()  # also on cancellation: llama-server sees the socket close
+
+
+def _headers(o: Outcome | None) -> dict[str, str]:
+    """route's own headers on a generation's answer (what it did, so far)."""
+    return o.headers() if o is not None else {}
 
 
 def _free(slots: asyncio.Queue[int], k: int, done: asyncio.Future[None]) -> None:

@@ -25,6 +25,15 @@ the same request body is sent to both. Both servers run with --cache-ram 0: with
 prompt cache, a new task saves and clears every idle slot (cache_idle_slots), which
 would drop a restored slot before its request arrives.
 
+A restore can report success and reuse nothing: llama-server keeps a restored slot's
+tokens but, for sliding-window, recurrent and hybrid models, wants a context checkpoint
+to reuse them, and a slot file holds none (llama.cpp #25913, #26676, #27813, #28194), so
+it prefills the whole prompt again. The tokens are still right; only the decode
+server's ``timings.cache_n`` shows it. Route reads it from every disaggregated answer
+(``Router.answered``): a restore that took reused all but the last prompt token.
+One that did not is logged as a fallback, and after ``restore_noops_to_stop`` in a row
+for the model the decode server reports, route stops transferring for that model.
+
 Route owns the slots: every request it forwards carries an ``id_slot`` from its own
 pool (one request per slot at a time), so a restored slot is never taken by another
 request. Any failure on the way (prefill host down, save refused, transfer broken or
@@ -67,6 +76,9 @@ OWNED_PREFIX = "/slots"
 # ~4 bytes a token: far past any context llama.cpp takes (serve.disagg.max_body_bytes).
 MAX_BODY_BYTES = 8 * 1024 * 1024
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host"}
+# The longest SSE line route reads for timings while relaying: llama-server's last event
+# of a /completion stream is a few KiB (generation settings); a longer line is skipped.
+MAX_EVENT_BYTES = 1024 * 1024
 
 
 def request_path(raw: str) -> tuple[str, str]:
@@ -123,6 +135,10 @@ class RouteConfig:
     idle_timeout_s: float = 60.0
     request_deadline_s: float = 600.0
     max_connections: int = 64
+    # Restores in a row that reuse nothing (Router.answered) after which route stops
+    # transferring for that model: each one paid a prefill there, a transfer and a
+    # full prefill here.
+    restore_noops_to_stop: int = 3
 
     @property
     def secret(self) -> PairSecret:
@@ -168,6 +184,8 @@ class Outcome:
     transfer_s: float | None = None
     restore_s: float | None = None
     restored_tokens: int | None = None
+    cache_n: int | None = None  # prompt tokens the decode server reused (its timings)
+    restore_took: bool | None = None  # None: not disaggregated, or the answer had no timings
     error: str | None = None
     stage: str = "start"
     t_start: float = field(default_factory=time.time)
@@ -183,6 +201,7 @@ class Outcome:
             "transfer_bytes",
             "transfer_s",
             "restore_s",
+            "cache_n",
         ):
             v = getattr(self, k)
             if v is not None:
@@ -190,6 +209,71 @@ class Outcome:
                     f"{v:.6f}" if isinstance(v, float) else str(v)
                 )
         return h
+
+
+@dataclass(frozen=True)
+class Timings:
+    """What the decode server says with an answer: the prompt tokens it took from the
+    slot's cache (``timings.cache_n``) and the model it serves (``model``: its --alias,
+    else the model path; llama-server names its own, whatever the request named)."""
+
+    cache_n: int
+    model: str
+
+
+def timings_of(raw: bytes) -> Timings | None:
+    """The Timings in one JSON answer, or one SSE event's data; None without them."""
+    try:
+        d = json.loads(raw)
+    except ValueError:  # UnicodeDecodeError too
+        return None
+    t = d.get("timings") if isinstance(d, dict) else None
+    n = t.get("cache_n") if isinstance(t, dict) else None
+    if not isinstance(n, int) or isinstance(n, bool):
+        return None
+    model = d.get("model")
+    return Timings(n, model if isinstance(model, str) else "")
+
+
+class EventSniffer:
+    """The last timings of an SSE stream, read from its chunks as route relays them,
+    holding only the line in progress. llama-server sends them with the last event:
+    /completion's final one, or the OpenAI endpoints' finish chunk (the usage chunk
+    after it when stream_options.include_usage)."""
+
+    def __init__(self) -> None:
+        self.timings: Timings | None = None
+        self._line = bytearray()
+        self._skip = False  # the line in progress is past MAX_EVENT_BYTES
+
+    def feed(self, chunk: bytes) -> None:
+        start = 0
+        while (end := chunk.find(b"\n", start)) >= 0:
+            if not self._skip:
+                self._line += chunk[start:end]
+                self._event(bytes(self._line))
+            self._line.clear()
+            self._skip = False
+            start = end + 1
+        if not self._skip:
+            self._line += chunk[start:]
+            if len(self._line) > MAX_EVENT_BYTES:
+                self._line.clear()
+                self._skip = True
+
+    def _event(self, line: bytes) -> None:
+        if line.startswith(b"data:") and b'"timings"' in line:
+            self.timings = timings_of(line[5:]) or self.timings
+
+
+@dataclass
+class RestoreHealth:
+    """How the restores into one model's decode slots have gone."""
+
+    took: int = 0
+    noops: int = 0  # reused less than the restored prompt
+    in_a_row: int = 0  # no-ops since the last restore that took
+    stopped: bool = False  # route no longer transfers for this model
 
 
 def _prompt_of(body: dict[str, Any]) -> Any:
@@ -206,6 +290,8 @@ class Router:
         self.recent: list[dict[str, Any]] = []
         self.counts = {"direct": 0, "disaggregated": 0, "fallback": 0}
         self.inflight: dict[str, Outcome] = {}
+        self.restores: dict[str, RestoreHealth] = {}  # by the decode server's model name
+        self.served: str | None = None  # the model the decode server last answered with
 
     # ---- logging ----------------------------------------------------------------
 
@@ -236,6 +322,11 @@ class Router:
                     {"id": o.id, "stage": o.stage, "route": o.route} for o in self.inflight.values()
                 ],
                 "recent": list(self.recent),
+                "served_model": self.served,
+                "restores": {
+                    "stop_after": self.cfg.restore_noops_to_stop,
+                    "models": {m: asdict(h) for m, h in self.restores.items()},
+                },
             }
 
     # ---- the decision -------------------------------------------------------------
@@ -276,8 +367,57 @@ class Router:
         if o.prompt_tokens < self.cfg.threshold_tokens:
             o.reason = f"{o.prompt_tokens} tokens < threshold {self.cfg.threshold_tokens}"
             return False
+        with self._lock:
+            model = self.served
+            health = self.restores.get(model) if model is not None else None
+            stopped = health is not None and health.stopped
+        if stopped:
+            o.reason = (
+                f"restores did not take {self.cfg.restore_noops_to_stop} times in a row "
+                f"for {model}: prefilling here"
+            )
+            return False
         o.reason = f"{o.prompt_tokens} tokens >= threshold {self.cfg.threshold_tokens}"
         return True
+
+    def answered(self, o: Outcome, t: Timings | None) -> None:
+        """After a generation: the model the decode server serves, and for a disaggregated
+        request whether the restore took. llama-server evaluates at least the last prompt
+        token ("need to evaluate at least 1 token", server-context.cpp), so one that
+        took reused the rest: cache_n = restored tokens - 1. One that did not is a
+        fallback: the decode server prefilled the prompt itself, so the answer is right
+        and the transfer was for nothing; ``restore_noops_to_stop`` in a row for one
+        model stop transfers for it until route restarts. ``t`` None (an error answer,
+        a stream cut short): nothing is learned."""
+        if t is None:
+            return
+        with self._lock:
+            self.served = t.model
+        n = o.restored_tokens
+        if o.route != "disaggregated" or n is None:
+            return
+        o.cache_n, o.restore_took = t.cache_n, t.cache_n >= n - 1
+        stop = self.cfg.restore_noops_to_stop
+        with self._lock:
+            h = self.restores.setdefault(t.model, RestoreHealth())
+            if o.restore_took:
+                h.took, h.in_a_row = h.took + 1, 0
+                return
+            h.noops, h.in_a_row = h.noops + 1, h.in_a_row + 1
+            stopping = not h.stopped and h.in_a_row >= stop
+            h.stopped = h.stopped or stopping
+            in_a_row = h.in_a_row
+        reused = "nothing" if t.cache_n == 0 else f"only {t.cache_n} tokens"
+        o.route, o.reason = "fallback", f"restore reused {reused} (cache_n {t.cache_n} of {n})"
+        self.log(
+            f"request {o.id}: the restore into decode slot {o.slot} did not take: {o.reason}; "
+            f"the decode server prefilled the prompt itself ({in_a_row} in a row for {t.model})"
+        )
+        if stopping:
+            self.log(
+                f"restores did not take {stop} times in a row for {t.model}: no more "
+                "transfers for it, its prompts are prefilled here until route restarts"
+            )
 
     # ---- disaggregation -----------------------------------------------------------
 

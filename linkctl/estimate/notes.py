@@ -11,7 +11,7 @@ from enum import StrEnum
 class NoteKind(StrEnum):
     MODEL = "model"  # what the GGUF header lacks and the reader assumed instead
     CALIBRATION = "calibration"  # a host runs on catalog terms, or its RPC cost is uncounted
-    DISAGGREGATED = "disaggregated"  # why the disaggregated plan is missing
+    DISAGGREGATED = "disaggregated"  # why the disaggregated plan is missing, or will not hold
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from linkctl.core.errors import InputError
 from linkctl.estimate.notes import Note, NoteKind, texts
+
+if TYPE_CHECKING:
+    from linkctl.gguf.info import ModelInfo
 
 # Bytes per cell besides the K/V rows: the token id in the slot's token list (4) and
 # the cell's pos + n_seq_id (4 + 4). Plus a fixed header per file.
@@ -40,6 +43,51 @@ STATE_IO_GBS = 2.0
 # Fixed cost of one disaggregated request besides the transfer: the save, restore and
 # the extra HTTP request, each a few round trips: assumption checked by bench/disagg.py.
 DISAGG_FIXED_S = 0.010
+
+
+# GGUF header keys of a recurrent state, "{arch}.<prefix>..." (llama.cpp llama-arch.cpp):
+# LLM_KV_SSM_* (mamba, mamba2, and the hybrids: jamba, falcon-h1, granite-hybrid,
+# nemotron-h, qwen3next), LLM_KV_WKV_* (the rwkv family), LLM_KV_SHORTCONV_* (lfm2).
+RECURRENT_KEY_PREFIXES = ("ssm.", "wkv.", "shortconv.")
+
+
+@dataclass(frozen=True)
+class RestoreRisk:
+    """Why llama-server's slot restores are known not to take for a model: the restore
+    reports success and the next request prefills the whole prompt again. A slot file
+    holds the KV cells and tokens but no context checkpoint, and llama-server reuses a
+    sliding-window or recurrent cache only from a checkpoint (llama.cpp #25913, #26676,
+    #27813, #28194). route notices it in the decode server's timings and stops
+    transferring for the model (linkctl.disagg.router); this says so before serving."""
+
+    architecture: str
+    kind: str  # sliding-window, recurrent, hybrid
+    evidence: str  # the header key that shows it
+
+    def text(self) -> str:
+        return (
+            f"{self.architecture} is a {self.kind} model ({self.evidence}): llama-server's "
+            "slot restores are known to reuse nothing for it (llama.cpp #25913, #26676, "
+            "#27813, #28194), so a disaggregated request pays the transfer and a full "
+            "prefill on the decode host; route sees it and stops transferring after "
+            "a few in a row"
+        )
+
+
+def restore_risk(model: ModelInfo) -> RestoreRisk | None:
+    """The RestoreRisk of a model, from its GGUF header; None for full attention."""
+    arch = model.architecture
+    prefixes = tuple(f"{arch}.{p}" for p in RECURRENT_KEY_PREFIXES)
+    state = sorted(k for k in model.metadata if k.startswith(prefixes))
+    if state:
+        attends = any(
+            t.name.endswith((".attn_q.weight", ".attn_qkv.weight")) for t in model.tensors
+        )
+        return RestoreRisk(arch, "hybrid" if attends else "recurrent", state[0])
+    if model.sliding_window:
+        where = f"{arch}.attention.sliding_window = {model.sliding_window}"
+        return RestoreRisk(arch, "sliding-window", where)
+    return None
 
 
 def kv_file_bytes(model, n_tokens: int) -> int:
@@ -142,6 +190,9 @@ def predict(
         )
     assert est.local is not None
     notes = list(est.warnings)
+    risk = restore_risk(model)
+    if risk is not None:
+        notes.append(Note(NoteKind.DISAGGREGATED, f"disaggregated: {risk.text()}"))
     if alone is None or not est.local.fits:
         notes.append(
             Note(

@@ -6,6 +6,13 @@ SentencePiece model with byte fallback: ``<unk>``, ``<s>``, ``</s>`` and the
 256 byte tokens ``<0x00>``..``<0xFF>``, so any text tokenizes (one token per
 byte) and llama.cpp loads it like any llama model. The output is noise; the
 point is real tensors of a real architecture moving over a real link.
+
+``sliding_window`` > 0 writes a gemma2 instead: llama.cpp's llama-shaped architecture
+with sliding-window attention (every other block sees only the last
+``sliding_window`` positions; llama-model.cpp, LLM_ARCH_GEMMA2, set_swa_pattern(2)).
+Its tensors are llama's plus two norms a block, and the output is tied to the
+embedding. Its slot restores reuse nothing (linkctl.disagg.router): the lab's case of
+a model whose restores do not take.
 """
 
 from __future__ import annotations
@@ -26,9 +33,11 @@ class TinySpec:
     n_ff: int = 128
     n_ctx: int = 512
     seed: int = 0
+    sliding_window: int = 0  # > 0: a gemma2 (see the module's note)
 
     def check(self) -> None:
-        if self.n_layer < 1 or self.n_embd < 8 or self.n_ff < 8 or self.n_ctx < 16:
+        small = self.n_layer < 1 or self.n_embd < 8 or self.n_ff < 8 or self.n_ctx < 16
+        if small or self.sliding_window < 0:
             raise InputError(f"tiny model {self}: sizes too small", "use the defaults")
         if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
             raise InputError(
@@ -74,11 +83,13 @@ def write_tiny_llama(path: str | Path, spec: TinySpec | None = None) -> dict[str
     def ones(n: int) -> np.ndarray:
         return np.ones(n, dtype=np.float32)
 
+    swa = spec.sliding_window > 0
     tensors: dict[str, np.ndarray] = {
         "token_embd.weight": w(v, e, scale=0.5),
         "output_norm.weight": ones(e),
-        "output.weight": w(v, e),
     }
+    if not swa:
+        tensors["output.weight"] = w(v, e)
     for i in range(spec.n_layer):
         p = f"blk.{i}."
         tensors |= {
@@ -92,10 +103,18 @@ def write_tiny_llama(path: str | Path, spec: TinySpec | None = None) -> dict[str
             p + "ffn_up.weight": w(ff, e),
             p + "ffn_down.weight": w(e, ff),
         }
+        if swa:
+            tensors |= {
+                p + "post_attention_norm.weight": ones(e),
+                p + "post_ffw_norm.weight": ones(e),
+            }
 
     with atomic_path(path) as tmp:
-        writer = gguf.GGUFWriter(str(tmp), "llama")
-        writer.add_name(f"linkctl-tiny-llama-{spec.n_layer}L-{e}d-seed{spec.seed}")
+        arch = "gemma2" if swa else "llama"
+        writer = gguf.GGUFWriter(str(tmp), arch)
+        writer.add_name(f"linkctl-tiny-{arch}-{spec.n_layer}L-{e}d-seed{spec.seed}")
+        if swa:
+            writer.add_sliding_window(spec.sliding_window)
         writer.add_context_length(spec.n_ctx)
         writer.add_embedding_length(e)
         writer.add_block_count(spec.n_layer)

@@ -16,50 +16,23 @@ from pathlib import Path
 
 import pytest
 
+from support.disagg_lab import (
+    DECODE,
+    KEY,
+    ROUTE,
+    chat,
+    disagg_profile,
+    greedy,
+    ops,
+    route_stats,
+)
 from support.llama_util import need_llama
-from support.paths import SUPPORT
 from support.route_client import prompt_of
 from support.serve_lab import Serve
 
 pytestmark = [pytest.mark.netns, pytest.mark.llama]
 
-DECODE, ROUTE = 8080, 9999
 THRESHOLD = 64
-KEY = "k" * 32
-AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-def ops(lab, *items: dict, timeout: float = 600) -> list[dict]:
-    """Requests from inside mac, with the API key unless an op gives its own headers."""
-    r = lab.exec(
-        "mac",
-        sys.executable,
-        str(SUPPORT / "route_client.py"),
-        json.dumps([{"headers": AUTH} | op for op in items]),
-        timeout=timeout,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout)
-
-
-def greedy(prompt: str, n: int = 24, **extra) -> dict:
-    return {
-        "prompt": prompt,
-        "n_predict": n,
-        "temperature": 0,
-        "seed": 42,
-        "ignore_eos": True,
-        "return_tokens": True,
-    } | extra
-
-
-def chat(content: str, n: int = 16, **extra) -> dict:
-    return {
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": n,
-        "temperature": 0,
-        "seed": 42,
-    } | extra
 
 
 def test_route_disaggregated_equals_decode_alone_stream_and_fallback(make_lab, tmp_path):
@@ -70,27 +43,7 @@ def test_route_disaggregated_equals_decode_alone_stream_and_fallback(make_lab, t
     model = write_tiny_llama(
         tmp_path / "tiny.gguf", TinySpec(n_layer=6, n_embd=256, n_ff=512, n_ctx=4096)
     )
-    for h in ("dgx", "mac"):
-        r = lab.run(h, "setup")
-        assert r.returncode == 0, r.stderr
-
-    import tomllib
-
-    import tomli_w
-
-    data = tomllib.loads(Path(lab.profile_path).read_text())
-    keyfile = tmp_path / "keys"
-    keyfile.write_text(KEY + "\n")
-    keyfile.chmod(0o600)
-    data["serve"] |= {
-        "api_key_file": str(keyfile),
-        "mode": "disaggregated",
-        "model": model["path"],
-        "ctx": 4096,
-        "disagg": {"threshold_tokens": THRESHOLD},
-    }
-    prof = tmp_path / "disagg.toml"
-    prof.write_text(tomli_w.dumps(data))
+    prof = disagg_profile(lab, tmp_path, model["path"], THRESHOLD)
 
     # The plan: the prefill server and the agent on dgx's link address only.
     r = lab.run("dgx", "serve", "--profile", str(prof), "--dry-run", "--json")
@@ -184,6 +137,8 @@ def test_route_disaggregated_equals_decode_alone_stream_and_fallback(make_lab, t
         assert n_prompt > THRESHOLD
         assert via["body"]["timings"]["prompt_n"] == 1, via["body"]["timings"]
         assert via["body"]["timings"]["cache_n"] == n_prompt - 1
+        # route read the same from the answer: the restore took.
+        assert via["headers"]["x-linkctl-cache-n"] == str(n_prompt - 1)
         assert int(via["headers"]["x-linkctl-transfer-bytes"]) > n_prompt * 6 * 2 * 256 * 2
         # Streaming, disaggregated: the same text, token by token.
         assert streamed["headers"]["x-linkctl-route"] == "disaggregated"
@@ -206,6 +161,9 @@ def test_route_disaggregated_equals_decode_alone_stream_and_fallback(make_lab, t
             lab, {"port": ROUTE, "path": "/completion", "body": greedy(long_prompt), "headers": {}}
         )
         assert anon["status"] == 401 and anon["headers"]["x-linkctl-route"] == "direct", anon
+        # Every restore took (the completion, the stream, the chat), so none was a no-op.
+        restores = route_stats(lab)["restores"]["models"]
+        assert restores == {model["path"]: {"took": 3, "noops": 0, "in_a_row": 0, "stopped": False}}
 
         # Kill the prefill server while route prefills there: the request still succeeds,
         # prefilled on the decode host, with the same tokens.
