@@ -212,6 +212,9 @@ def stop_process(
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             proc.terminate()
+            # A stopped process (SIGSTOP, a hung debugger) acts on SIGTERM only once it
+            # runs again: SIGCONT after it, as systemd does (systemd.kill(5), KillSignal=).
+            proc.send_signal(signal.SIGCONT)
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:

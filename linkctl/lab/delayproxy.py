@@ -112,6 +112,7 @@ class Corruption:
         self.bits = 0  # bits flipped so far
         self.payload_bytes = 0  # bytes of targeted payload seen
         self.messages = 0  # targeted messages seen
+        self.active = True  # --control turns it off and on while connections live
 
     def _gap(self) -> int:
         import math
@@ -122,7 +123,9 @@ class Corruption:
         return int(math.log(u) / math.log1p(-self.rate))
 
     def flip(self, buf: bytearray, lo: int, hi: int) -> None:
-        """Flip the chosen bits of buf[lo:hi] in place."""
+        """Flip the chosen bits of buf[lo:hi] in place (none while not ``active``)."""
+        if not self.active:
+            return
         self.payload_bytes += hi - lo
         nbits, at = (hi - lo) * 8, 0
         while at + self._skip < nbits:
@@ -326,7 +329,6 @@ class _Pipe:
         threading.Thread(target=self._write, daemon=True).start()
 
     def _read(self) -> None:
-        delay = self.proxy.delay_s
         st, lock = self.proxy.stats, self.proxy.lock
         try:
             while True:
@@ -349,7 +351,7 @@ class _Pipe:
                             st.turns += 1
                         self.state["last"] = "s"
                 with self.cv:
-                    self.q.append((now + delay, data))
+                    self.q.append((now + self.proxy.delay_s, data))
                     self.cv.notify()
         except OSError:
             pass
@@ -483,6 +485,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--corrupt-seed", type=int, default=0, help="seed of the bit flips")
     ap.add_argument(
+        "--control",
+        help='a JSON file read every 0.2 s: {"delay_ms": D, "corrupt": true|false} '
+        "changes the delay and arms or disarms --corrupt while connections live "
+        "(faults injected mid-serve)",
+    )
+    ap.add_argument(
         "--realtime",
         action="store_true",
         help="run this proxy under SCHED_FIFO (root): fewer late chunks on a busy machine",
@@ -500,6 +508,8 @@ def main(argv: list[str] | None = None) -> int:
                 corrupt=corrupt,
             )
             proxy.scheduling = sched
+            if a.control:  # before the first connection: corruption may start disarmed
+                apply_control(proxy, Path(a.control))
             proxy.start()
         except LinkctlError as e:
             print(f"delayproxy: error: {e.line()}", file=sys.stderr)
@@ -516,6 +526,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def apply_control(proxy: DelayProxy, control: Path) -> None:
+    """Take in the control file, if it is there and whole (written atomically)."""
+    try:
+        want = json.loads(control.read_text())
+    except (OSError, ValueError):
+        return
+    proxy.delay_s = max(0.0, float(want.get("delay_ms", proxy.delay_s * 1000))) / 1000
+    c = proxy.stats.corruption
+    if c is not None and "corrupt" in want:
+        c.active = bool(want["corrupt"])
+
+
 def _serve(proxy: DelayProxy, a: argparse.Namespace, sched: str, done: StopFlag) -> None:
     """Say what runs, then rewrite the stats file every 0.2 s until ``done``."""
     print(
@@ -526,8 +548,11 @@ def _serve(proxy: DelayProxy, a: argparse.Namespace, sched: str, done: StopFlag)
         flush=True,
     )
     path = Path(a.stats_file) if a.stats_file else None
+    control = Path(a.control) if a.control else None
     last = None
     while not done.wait(0.2):
+        if control:
+            apply_control(proxy, control)
         if path:
             snap = json.dumps(proxy.snapshot())
             if snap != last:

@@ -33,9 +33,10 @@ class Backend(Protocol):
     def default_route(self) -> Route | None:
         """The IPv4 default route, or None."""
 
-    def tcp_connections(self, remotes: list[str]) -> list[TcpConn]:
-        """This network namespace's established TCP connections to any of ``remotes``
-        ("ip:port"), with the kernel's figures; [] where the OS does not give them."""
+    def tcp_connections(self, ends: list[str]) -> list[TcpConn]:
+        """This network namespace's established TCP connections with either end at one
+        of ``ends`` ("ip:port"), with the kernel's figures; [] where the OS does not
+        give them."""
 
     def ping_argv(self, address: str, **kw: Any) -> list[str]:
         """argv for this OS's ping (linkctl.net.ping): size, count, timeout_s, interval_s,

@@ -95,6 +95,17 @@ _TCP_ESTABLISHED = 1 << 1
 _INET_DIAG_INFO = 1 << 1
 
 
+def _sock_diag(states: int, extensions: int) -> tuple[Any, ...]:
+    """This network namespace's IPv4 TCP sockets in ``states`` (sock_diag, as `ss`
+    reads them). pyroute2 is imported here only: serve's watch asks, the read-only
+    commands never do."""
+    from pyroute2 import DiagSocket
+
+    with DiagSocket() as ds:
+        ds.bind()
+        return tuple(ds.get_sock_stats(family=socket.AF_INET, states=states, extensions=extensions))
+
+
 class LinuxBackend:
     os_name = "linux"
 
@@ -169,27 +180,19 @@ class LinuxBackend:
             )
         return out
 
-    def tcp_connections(self, remotes: list[str]) -> list[TcpConn]:
-        # sock_diag, as `ss -ti` reads it (linux/inet_diag.h: INET_DIAG_INFO carries
-        # struct tcp_info); pyroute2 is imported here only: serve's watch asks, the
-        # read-only commands never do.
-        from pyroute2 import DiagSocket
-
-        want = set(remotes)
+    def tcp_connections(self, ends: list[str]) -> list[TcpConn]:
+        # linux/inet_diag.h: INET_DIAG_INFO carries struct tcp_info.
+        want = set(ends)
         out = []
-        with DiagSocket() as ds:
-            ds.bind()
-            msgs = ds.get_sock_stats(
-                family=socket.AF_INET, states=_TCP_ESTABLISHED, extensions=_INET_DIAG_INFO
-            )
-        for m in msgs:
+        for m in _sock_diag(_TCP_ESTABLISHED, _INET_DIAG_INFO):
+            local = f"{m['idiag_src']}:{m['idiag_sport']}"
             remote = f"{m['idiag_dst']}:{m['idiag_dport']}"
             info = m.get_attr("INET_DIAG_INFO")
-            if remote not in want or info is None:
+            if not {local, remote} & want or info is None:
                 continue
             out.append(
                 TcpConn(
-                    local=f"{m['idiag_src']}:{m['idiag_sport']}",
+                    local=local,
                     remote=remote,
                     rtt_ms=info["tcpi_rtt"] / 1000,
                     min_rtt_ms=info["tcpi_min_rtt"] / 1000,

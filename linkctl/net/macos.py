@@ -185,7 +185,7 @@ class MacBackend:
 
     # ---- facts ------------------------------------------------------------------
 
-    def tcp_connections(self, remotes: list[str]) -> list[TcpConn]:
+    def tcp_connections(self, ends: list[str]) -> list[TcpConn]:
         # macOS keeps per-connection RTT (struct tcp_connection_info, TCP_CONNECTION_INFO)
         # but gives it only to the socket's owner, and no recorded output of a tool that
         # prints it for another process is at hand to parse: the watch's ping sample and

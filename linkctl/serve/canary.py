@@ -26,7 +26,7 @@ from linkctl.core.records import (
     fingerprint_path,
     load_fingerprint,
 )
-from linkctl.serve.logprobs import N_PROBS, Tolerance, compare, step_from_json
+from linkctl.serve.logprobs import N_PROBS, Tolerance, compare, live, step_from_json
 
 if TYPE_CHECKING:
     from linkctl.llama.client import LlamaServer
@@ -65,7 +65,7 @@ def run_canary(server: LlamaServer, fp: Fingerprint, tokens: int, why: str) -> C
     answer): that is the watch's to judge, not a wrong answer."""
     from linkctl.serve.greedy import greedy_steps
 
-    tol = Tolerance(**fp.tolerance)
+    tol = live(Tolerance(**fp.tolerance))
     t0 = time.monotonic()
     results = []
     try:

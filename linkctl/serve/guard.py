@@ -6,7 +6,8 @@ the same model when it fits the head or serve.fallback_model) or ``stopped`` ("s
 nothing serves, fail closed), or leaves it (``keep``: said in status, nothing changed).
 Back to the split only when the mode has lasted serve.fallback_hold_s, the link has
 passed for as long, and every rpc endpoint answers: a link that flaps does not make the
-head flap with it. Every return runs the canary before it counts as healthy.
+head flap with it. Every start of the split runs the canary; until it has passed, the
+watch says WARN (and a FAIL takes the split out again).
 
 rpc host: a stopped rpc-server (SIGSTOP, a debugger) answers nothing and never exits,
 so the supervisor would wait forever: the watch's FAIL restarts it.
@@ -14,6 +15,7 @@ so the supervisor would wait forever: the watch's FAIL restarts it.
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -41,6 +43,14 @@ if TYPE_CHECKING:
     from linkctl.llama.invocation import ServerInvocation
     from linkctl.net.backend import Backend
     from linkctl.serve.sampling import Sampler
+
+# llama-server stopped for a switch gets this long, then SIGKILL. Waiting longer helps no
+# client: once SIGTERM has terminated its task queue (tools/server/server.cpp, the
+# shutdown handler), a request in flight waits on a queue that is gone, and under load
+# the lab's llama-server outlived SIGTERM by 10 s with its clients still waiting. A
+# broken split may also be in ggml's abort, running gdb for a backtrace
+# (ggml/src/ggml.c ggml_print_backtrace).
+SWITCH_STOP_S = 2.0
 
 
 def probe_rtt_ms(profile: Profile) -> float | None:
@@ -111,6 +121,8 @@ class CanaryClock:
         self.last_run = time.monotonic()
         self.path = canary_path()
         self._seen = self._mtime()
+        self._thread: threading.Thread | None = None
+        self._gen = 0  # which start of the split a running canary belongs to
 
     def _mtime(self) -> int:
         try:
@@ -121,25 +133,40 @@ class CanaryClock:
     def findings(self, server: LlamaServer, split_ready: bool) -> list[WatchFinding]:
         """Run the canary if it is due (on the split only), take in one written on
         demand, and say what the last one found."""
-        if self.fp is not None and split_ready:
+        running = self._thread is not None and self._thread.is_alive()
+        if self.fp is not None and split_ready and not running:
             if self.due is None and self.interval_s and self._age() >= self.interval_s:
                 self.due = "schedule"
             if self.due is not None:
-                from linkctl.serve.canary import run_canary
-
                 why, self.due = self.due, None
-                self.take(run_canary(server, self.fp, self.tokens, why))
-                save_record(self.last, self.path)  # type: ignore[arg-type]
-                self._seen = self._mtime()
+                # In a thread of its own: a split that hangs holds the canary's request,
+                # and the watch must go on ticking to see the stall.
+                self._thread = threading.Thread(
+                    target=self._run, args=(server, self.fp, why), daemon=True, name="canary"
+                )
+                self._thread.start()
         if self._mtime() != self._seen:
             self._seen = self._mtime()
             try:
                 self.take(load_canary(self.path))
             except InputError as e:
                 self.say(f"canary result {self.path}: {e.message}")
+        if self.last is None and self.fp is not None and split_ready:
+            return [WatchFinding(check="canary", verdict=Verdict.WARN, detail="not run yet")]
         if self.last is None or self.last.verdict is Verdict.PASS:
             return []
         return [WatchFinding(check="canary", verdict=self.last.verdict, detail=self.last.detail)]
+
+    def _run(self, server: LlamaServer, fp: Fingerprint, why: str) -> None:
+        from linkctl.serve.canary import run_canary
+
+        gen = self._gen
+        result = run_canary(server, fp, self.tokens, why)
+        if gen != self._gen:  # of a server stopped since: says nothing of this one
+            return
+        save_record(result, self.path)
+        self._seen = self._mtime()
+        self.take(result)
 
     def _age(self) -> float:
         return time.monotonic() - self.last_run
@@ -152,6 +179,7 @@ class CanaryClock:
     def forget(self) -> None:
         """A new start of the split: the last result was of the server before it."""
         self.last = None
+        self._gen += 1
 
 
 class HeadGuard:
@@ -237,6 +265,15 @@ class HeadGuard:
             why += f"; no fallback: {self.alone_why}"
         return self._leave("stopped", f"FAIL ({why}): the split stopped")
 
+    def on_exit(self, why: str) -> None:
+        """llama-server on the split stopped by itself: llama.cpp's RPC client aborts the
+        whole server when an RPC call fails (ggml-org/llama.cpp #25938), so a fault on
+        the link or the peer often shows first as this exit. Under "fallback" the next
+        start is the head alone."""
+        if self.mode == "split" and self.cfg.on_fail == "fallback" and self.alone is not None:
+            self._set_mode("alone", f"FAIL (llama-server {why}): serving on the head alone")
+        self.ready = False
+
     def endpoint_lost(self, reason: str) -> str:
         """llama-server lost an rpc endpoint (it cannot reconnect by itself): the head
         alone under "fallback", else a restart that waits for the endpoints."""
@@ -258,7 +295,7 @@ class HeadGuard:
 
     def _leave(self, mode: str, reason: str) -> Switch:
         self._set_mode(mode, reason)
-        return Switch(reason)
+        return Switch(reason, stop_s=SWITCH_STOP_S)
 
     def _set_mode(self, mode: str, reason: str) -> None:
         self.say(f"watch: {reason}")

@@ -322,8 +322,10 @@ def _run_head_watched(
     if profile.serve.on_fail == "fallback":
         say(f"on_fail = fallback: {alone[1]}")
     cfg = watch_config(profile, profile.head, backend)
+    # Decode against the estimate; prefill always against what this serve measures:
+    # its rate follows the prompts users send (a short prompt pays the fixed costs).
     if split is not None and split.predicted_decode_tok_s:
-        cfg.decode_ref, cfg.decode_source = split.predicted_decode_tok_s, "estimate"
+        cfg.refs["decode"] = (split.predicted_decode_tok_s, "estimate")
     sampler = Sampler(
         backend,
         profile.head.interface,
@@ -355,6 +357,7 @@ def _run_head_watched(
         health_interval=0.5,
         before_start=guard.before_start,
         on_ready=guard.on_ready,
+        on_exit=guard.on_exit,
     )
     alone_spec = (
         llama_server_child(

@@ -79,8 +79,11 @@ class Sampler:
                 r.busy = int(m.get("requests_processing", 0))
                 r.tokens = m.get("tokens_predicted_total")
                 r.token_s = m.get("tokens_predicted_seconds_total")
+                r.prompt_tokens = m.get("prompt_tokens_total")
+                r.prompt_s = m.get("prompt_seconds_total")
             except UpstreamError as e:
                 self.errors["metrics"] = e.message
+                r.loop_stuck = "timed out" in e.message
         if idle and r.carrier:
             self._ping(r)
         return r

@@ -48,11 +48,23 @@ class ChildSpec:
     before_start: Callable[[], str | None] | None = None
     # Once it is ready (its pid): the watch's canary runs on every start.
     on_ready: Callable[[int], None] | None = None
+    # When it stopped serving by itself or turned unhealthy (the reason), not by a
+    # Switch: serve.on_fail may take another mode for the next start.
+    on_exit: Callable[[str], None] | None = None
 
 
 class Switch(str):
     """A reason ``healthy`` gives to restart the child now, as whatever ``choose`` picks
-    next (the split, or the head alone): a decision, not a failure, so no backoff."""
+    next (the split, or the head alone): a decision, not a failure, so no backoff.
+    ``stop_s``: how long the child gets to stop (a broken split is not waited for: its
+    requests cannot finish, and its clients should hear so at once)."""
+
+    stop_s: float | None
+
+    def __new__(cls, reason: str, stop_s: float | None = None) -> Switch:
+        out = super().__new__(cls, reason)
+        out.stop_s = stop_s
+        return out
 
 
 @dataclass
@@ -148,8 +160,8 @@ class Supervisor:
         threading.Thread(target=self._pump, args=(proc.stdout,), daemon=True).start()
         return proc
 
-    def _terminate(self, proc: subprocess.Popen) -> int | None:
-        return stop_process(proc, self.policy.stop_timeout, say=self.log)
+    def _terminate(self, proc: subprocess.Popen, within: float | None = None) -> int | None:
+        return stop_process(proc, within or self.policy.stop_timeout, say=self.log)
 
     def _sleep(self, seconds: float) -> bool:
         """Sleep unless asked to stop; True if a stop was requested."""
@@ -243,7 +255,7 @@ class Supervisor:
                     ready_for = time.monotonic() - t_ready
                 if self._stop.is_set():
                     break
-                rc = self._terminate(proc)
+                rc = self._terminate(proc, why.stop_s if isinstance(why, Switch) else None)
                 self.status.last_exit = rc
                 self.status.last_reason = why
                 tail = next((t for t in reversed(self.tail) if t.strip()), "")
@@ -253,6 +265,8 @@ class Supervisor:
                 self.event("exit", pid=proc.pid, code=rc, reason=why)
                 if isinstance(why, Switch):
                     continue
+                if self.spec.on_exit is not None:
+                    self.spec.on_exit(why)
                 failures = 0 if ready_for >= pol.reset_after else failures + 1
                 delay = min(pol.backoff_max, pol.backoff_initial * 2 ** max(0, failures - 1))
                 self.status.state = "backoff"

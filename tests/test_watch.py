@@ -1,0 +1,319 @@
+"""serve's watch, the canary and serve.on_fail, against real faults in the lab.
+
+One pair for the module: dgx runs `linkctl serve` (ggml-rpc-server on :50052) with the
+delay proxy in front of it on :50053 (python -m linkctl.lab.delayproxy, its delay and
+corruption changed mid-serve through --control); mac runs `linkctl serve` (llama-server
+--rpc 198.18.100.2:50053) under the watch every second, serve.on_fail = "fallback", a
+4 s hold and the canary every 2 s. A client inside mac sends completions the whole time
+and logs each one (tests/support/watch_client.py): what a client saw.
+
+Each fault: injected, detected within two watch intervals (a stall: within its limit
+plus two; the canary: within its interval plus two), its verdict and reason in
+`linkctl status --json`, the policy applied (WARN: the split keeps serving; FAIL: the
+head alone), no request left hanging, and the pair back on the split once it clears.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from support.lab import LabHandle
+from support.llama_util import need_llama
+from support.serve_lab import Serve
+from support.watch_client import Client
+
+pytestmark = [pytest.mark.netns, pytest.mark.llama]
+
+INTERVAL = 1.0
+STALL = 2.0
+HOLD = 4.0
+CANARY = 2.0
+SWITCH_S = 2.0  # a switch stops llama-server within this (linkctl.serve.guard)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    import tomllib
+
+    import tomli_w
+
+    from support.cli import need_root_netns
+
+    need_root_netns()
+    need_llama()
+    tmp = tmp_path_factory.mktemp("watch")
+    lab = LabHandle("dgx-mac", "w" + os.urandom(4).hex())
+    lab.up()
+    procs: list = []
+    try:
+        from linkctl.gguf.tiny import TinySpec, write_tiny_llama
+
+        model = write_tiny_llama(tmp / "tiny.gguf", TinySpec(n_layer=4, n_embd=128, n_ff=256))
+        for h in ("dgx", "mac"):
+            assert lab.run(h, "setup").returncode == 0
+        data = tomllib.loads(Path(lab.profile_path).read_text())
+        data["serve"] |= {
+            "ctx": 512,
+            "model": model["path"],
+            "watch_interval_s": INTERVAL,
+            "watch_stall_s": STALL,
+            "on_fail": "fallback",
+            "fallback_hold_s": HOLD,
+            "canary_interval_s": CANARY,
+            "canary_tokens": 4,
+        }
+        rpc_prof = tmp / "rpc.toml"
+        rpc_prof.write_text(tomli_w.dumps(data))
+        for h in data["hosts"]:
+            if h["name"] == "dgx":
+                h["rpc"]["port"] = 50053  # the head reaches rpc-server through the proxy
+        head_prof = tmp / "head.toml"
+        head_prof.write_text(tomli_w.dumps(data))
+        control = tmp / "proxy-control.json"
+        control.write_text(json.dumps({"delay_ms": 0, "corrupt": False}))
+        rpc = Serve(lab, "dgx", "rpc", ["--profile", str(rpc_prof)], tmp / "dgx.log")
+        procs.append(rpc)
+        rpc.wait(lambda s: s["state"] == "ready", 60, "rpc-server ready")
+        proxy = subprocess.Popen(
+            ["ip", "netns", "exec", lab.netns("dgx"), sys.executable, "-m",
+             "linkctl.lab.delayproxy", "--listen", "198.18.100.2:50053", "--target",
+             "198.18.100.2:50052", "--corrupt", "get_tensor", "--corrupt-rate", "1e-4",
+             "--control", str(control)],
+            stdout=subprocess.DEVNULL,
+            stderr=open(tmp / "proxy.log", "w"),  # noqa: SIM115 (lives with the module)
+        )  # fmt: skip
+        procs.append(proxy)
+        time.sleep(1)
+        # verify records the canary's fingerprint; then serve under the watch.
+        r = lab.run("mac", "verify", "--profile", str(head_prof), "--model", model["path"])
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        head = Serve(
+            lab, "mac", "head", ["--profile", str(head_prof), "--skip-probe"], tmp / "mac.log"
+        )
+        procs.append(head)
+        head.wait(lambda s: (s.get("watch") or {}).get("canary"), 60, "the first canary")
+        client = Client(lab, tmp / "client.jsonl")
+        procs.append(client)
+        yield {
+            "lab": lab, "rpc": rpc, "head": head, "client": client, "control": control,
+            "head_prof": head_prof, "tmp": tmp, "proxy": proxy,
+        }  # fmt: skip
+    finally:
+        errors = []
+        for p in reversed(procs):
+            try:
+                if isinstance(p, subprocess.Popen):
+                    p.send_signal(signal.SIGCONT)  # a test may have left it stopped
+                    p.terminate()
+                    p.wait(10)
+                else:
+                    p.stop()
+            except Exception as e:  # every one is stopped and the lab goes, come what may
+                errors.append(e)
+        lab.down()
+        if errors:
+            raise errors[0]
+
+
+def watch_of(st: dict) -> dict:
+    return st.get("watch") or {}
+
+
+def settled(pair, timeout: float = 40) -> dict:
+    """Back on the split, the watch PASS, requests going through."""
+    head, client = pair["head"], pair["client"]
+    try:
+        st = head.wait(
+            lambda s: (
+                s["state"] == "ready"
+                and watch_of(s).get("mode") == "split"
+                and watch_of(s).get("verdict") == "PASS"
+            ),
+            timeout,
+            "the split back, watch PASS",
+        )
+    except AssertionError:
+        w = json.dumps(head.status().get("watch"), indent=1)
+        raise AssertionError(f"not settled within {timeout} s; the watch: {w}") from None
+    client.wait_ok(3, 20)
+    return st
+
+
+def fault(pair, inject, pred, within: float, what: str) -> dict:
+    """Inject, then the time until the head's status says ``pred``."""
+    head = pair["head"]
+    t0 = time.monotonic()
+    inject()
+    st = head.wait(pred, within + 30, what)
+    took = time.monotonic() - t0
+    print(f"\n{what}: detected in {took:.2f} s; reasons: {watch_of(st).get('reasons')}")
+    assert took <= within, (what, took, watch_of(st))
+    return st
+
+
+def status_json(pair) -> dict:
+    """What `linkctl status --json` says on the head, as a user would read it."""
+    r = pair["lab"].run("mac", "status", "--json", "--profile", str(pair["head_prof"]))
+    assert r.returncode in (0, 1), r.stderr
+    return json.loads(r.stdout)["serve"]["watch"]
+
+
+def control(pair, **kw) -> None:
+    from linkctl.core.paths import write_atomic
+
+    cur = json.loads(pair["control"].read_text())
+    write_atomic(pair["control"], json.dumps(cur | kw))
+
+
+def test_a_shaped_link_is_a_warn_and_the_split_keeps_serving(pair):
+    from linkctl.lab.netns import load_lab, shape
+
+    settled(pair)
+    pair["head"].wait(
+        lambda s: watch_of(s).get("figures", {}).get("prefill_ref_tok_s"), 30, "a reference"
+    )
+    lab = load_lab(pair["lab"].name)
+    st = fault(
+        pair,
+        lambda: shape(lab, 100_000_000),
+        lambda s: watch_of(s).get("verdict") == "WARN",
+        2 * INTERVAL + 1,
+        "link shaped to 100 Mbit/s",
+    )
+    w = status_json(pair)
+    assert w["verdict"] in ("WARN", "PASS") and w["mode"] == "split", w
+    assert any(
+        r.split(":")[0] in ("prefill", "decode", "retransmits", "rtt")
+        for r in watch_of(st)["reasons"]
+    )
+    time.sleep(2 * INTERVAL)
+    assert pair["head"].status()["watch"]["mode"] == "split"  # a WARN changes nothing
+    for h in lab.hosts:
+        subprocess.run(["ip", "netns", "exec", h.netns, "tc", "qdisc", "del", "dev",
+                        h.interface, "root"], check=True)  # fmt: skip
+    settled(pair)
+    pair["client"].no_hang()
+
+
+def test_delay_on_the_rpc_path_is_a_warn_on_decode(pair):
+    settled(pair)
+    st = fault(
+        pair,
+        lambda: control(pair, delay_ms=2),
+        lambda s: any(r.startswith("decode") for r in watch_of(s).get("reasons", [])),
+        2 * INTERVAL + 1,
+        "2 ms each way on the RPC path",
+    )
+    assert watch_of(st)["mode"] == "split"
+    control(pair, delay_ms=0)
+    settled(pair)
+    pair["client"].no_hang()
+
+
+def test_corruption_after_the_start_fails_the_canary_and_falls_back(pair):
+    settled(pair)
+    st = fault(
+        pair,
+        lambda: control(pair, corrupt=True),
+        lambda s: watch_of(s).get("mode") == "alone",
+        CANARY + 2 * INTERVAL + 2,  # the canary's own run (~0.1-1 s) and a margin
+        "corruption on the RPC path",
+    )
+    assert "canary" in watch_of(st)["mode_reason"], watch_of(st)
+    w = status_json(pair)
+    assert w["mode"] == "alone" and w["canary"]["verdict"] == "FAIL", w
+    pair["client"].wait_ok(3, 20)  # the head alone serves
+    control(pair, corrupt=False)
+    st = settled(pair)
+    assert watch_of(st)["canary"]["verdict"] == "PASS"
+    pair["client"].no_hang()
+
+
+def test_rpc_server_killed_falls_back_and_returns(pair):
+    settled(pair)
+    rpc = pair["rpc"]
+    pid = rpc.status()["child_pid"]
+    st = fault(
+        pair,
+        lambda: os.kill(pid, signal.SIGKILL),
+        lambda s: watch_of(s).get("mode") == "alone",
+        2 * INTERVAL + 1,
+        "rpc-server killed -9",
+    )
+    # Either the watch saw the endpoint go, or llama-server aborted on the failed RPC
+    # call first (ggml-org/llama.cpp #25938): both take the head alone.
+    why = watch_of(st)["mode_reason"]
+    assert "rpc" in why or "llama-server exited" in why, why
+    st = settled(pair)
+    assert rpc.status()["child_pid"] != pid
+    pair["client"].no_hang()
+
+
+def test_rpc_server_stopped_is_restarted_by_its_host(pair):
+    """SIGSTOP: the rpc host's watch sees the process stopped and restarts it; the head
+    loses its endpoint and serves alone until the split is back."""
+    settled(pair)
+    rpc = pair["rpc"]
+    pid = rpc.status()["child_pid"]
+    st = fault(
+        pair,
+        lambda: os.kill(pid, signal.SIGSTOP),
+        lambda s: watch_of(s).get("mode") == "alone",
+        2 * INTERVAL + SWITCH_S + 1,
+        "rpc-server stopped (SIGSTOP)",
+    )
+    why = watch_of(st)["mode_reason"]
+    assert "rpc" in why or "llama-server exited" in why, why
+    ev = [e for e in rpc.status()["events"] if e["event"] == "exit"]
+    assert ev and "is stopped" in ev[-1]["reason"], ev
+    settled(pair, 60)
+    pair["client"].no_hang()
+
+
+def test_a_peer_that_answers_nothing_is_a_stall(pair):
+    """SIGSTOP on the proxy in front of rpc-server: the connection stays up and nothing
+    comes back while llama-server waits; the head's watch calls it a stall."""
+    settled(pair)
+    proxy = pair["proxy"]
+    st = fault(
+        pair,
+        lambda: os.kill(proxy.pid, signal.SIGSTOP),
+        lambda s: watch_of(s).get("mode") == "alone",
+        STALL + 2 * INTERVAL + 2,
+        "no answer on the RPC connection",
+    )
+    assert "stall" in watch_of(st)["mode_reason"], watch_of(st)
+    pair["client"].wait_ok(3, 20)
+    os.kill(proxy.pid, signal.SIGCONT)
+    settled(pair, 60)
+    pair["client"].no_hang()
+
+
+def test_the_cable_deleted_and_restored(pair):
+    from linkctl.lab.netns import load_lab, wire_link
+
+    settled(pair)
+    lab = load_lab(pair["lab"].name)
+    mac = lab.host("mac")
+    st = fault(
+        pair,
+        lambda: subprocess.run(["ip", "-n", mac.netns, "link", "del", mac.interface], check=True),
+        lambda s: watch_of(s).get("mode") == "alone",
+        2 * INTERVAL + 1,
+        "cable deleted",
+    )
+    assert "carrier" in watch_of(st)["mode_reason"], watch_of(st)
+    pair["client"].wait_ok(3, 20)
+    wire_link(lab)
+    for h in ("dgx", "mac"):
+        assert pair["lab"].run(h, "setup").returncode == 0
+    settled(pair, 60)
+    pair["client"].no_hang()
