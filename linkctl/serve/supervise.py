@@ -211,6 +211,7 @@ class Supervisor:
         pol = self.policy
         starts: collections.deque[float] = collections.deque()
         failures = 0
+        switched = False  # this start follows a Switch: a decision, not counted below
         self.log(f"supervising: {' '.join(self.spec.argv)}")
         try:
             while not self._stop.is_set():
@@ -230,7 +231,9 @@ class Supervisor:
                     )
                     self.event("gave-up", reason=self.status.last_reason)
                     return 1
-                starts.append(now)
+                if not switched:  # the start limit counts failures, not decisions
+                    starts.append(now)
+                switched = False
                 t0 = time.monotonic()
                 self.proc = proc = self._start()
                 self.status.starts += 1
@@ -264,6 +267,7 @@ class Supervisor:
                 )
                 self.event("exit", pid=proc.pid, code=rc, reason=why)
                 if isinstance(why, Switch):
+                    switched = True
                     continue
                 if self.spec.on_exit is not None:
                     self.spec.on_exit(why)

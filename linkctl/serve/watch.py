@@ -49,6 +49,11 @@ RETRANS_WARN = 3  # segments retransmitted in one interval (a healthy cable: non
 # machine (the lab saw healthy intervals at 0.79 x their reference).
 RATE_LOW = {"estimate": 0.65, "measured": 0.7}
 MIN_TOKENS = 16  # fewer tokens in an interval say nothing about a rate
+# A rate is judged low only after this many intervals low in a row, and its reference
+# is the median of this many first intervals: one interval of a busy shared machine
+# (the lab's two cores also run the client and the proxy) is not a slow link.
+RATE_INTERVALS = 2
+REF_INTERVALS = 5
 RATES = {  # the rate: (its Reading counters)
     "decode": ("tokens", "token_s"),
     "prefill": ("prompt_tokens", "prompt_s"),
@@ -220,6 +225,7 @@ class Watch:
         )
         self._link_ok_since: float | None = time.monotonic()
         self._rates: dict[str, list[float]] = {kind: [] for kind in RATES}
+        self._low = dict.fromkeys(RATES, 0)  # intervals in a row each rate was low
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.lock = threading.Lock()
@@ -246,7 +252,7 @@ class Watch:
         # own connection says more than an echo, and costs nothing.
         idle = before is None or before.busy in (0, None)
         now = self.sample(idle)
-        found = judge(self.cfg, now, before)
+        found = self._persistent(judge(self.cfg, now, before))
         if self.extra is not None:
             found += self.extra()
         self._learn_rates(now, before)
@@ -274,15 +280,26 @@ class Watch:
         self._publish()
         return self.record
 
+    def _persistent(self, found: list[WatchFinding]) -> list[WatchFinding]:
+        """Rate findings only once they held RATE_INTERVALS intervals in a row."""
+        out = []
+        for kind in RATES:
+            low = any(f.check == kind for f in found)
+            self._low[kind] = self._low[kind] + 1 if low else 0
+        for f in found:
+            if f.check not in RATES or self._low[f.check] >= RATE_INTERVALS:
+                out.append(f)
+        return out
+
     def _learn_rates(self, now: Reading, before: Reading | None) -> None:
-        """Without an estimate, a rate's reference is the median of the first three
-        intervals that moved enough tokens while the link passed."""
+        """Without an estimate, a rate's reference is the median of the first
+        REF_INTERVALS intervals that moved enough tokens while the link passed."""
         for kind, seen in self._rates.items():
             r = rate(kind, now, before)
             if kind in self.cfg.refs or r is None or self._link_ok_since is None:
                 continue
             seen.append(r)
-            if len(seen) >= 3:
+            if len(seen) >= REF_INTERVALS:
                 self.cfg.refs[kind] = (statistics.median(seen), "measured")
 
     def _publish(self) -> None:
