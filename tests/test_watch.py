@@ -69,6 +69,7 @@ def pair(tmp_path_factory):
             "fallback_hold_s": HOLD,
             "canary_interval_s": CANARY,
             "canary_tokens": 4,
+            "metrics_textfile": str(tmp / "linkctl.prom"),
         }
         rpc_prof = tmp / "rpc.toml"
         rpc_prof.write_text(tomli_w.dumps(data))
@@ -171,6 +172,37 @@ def control(pair, **kw) -> None:
 
     cur = json.loads(pair["control"].read_text())
     write_atomic(pair["control"], json.dumps(cur | kw))
+
+
+def test_status_and_the_textfile_show_the_watch(pair):
+    st = settled(pair)
+    w = status_json(pair)
+    assert w["verdict"] == "PASS" and w["mode"] == "split" and w["on_fail"] == "fallback", w
+    assert w["since"] and w["interval_s"] == INTERVAL and w["canary"]["verdict"] == "PASS"
+    figs = w["figures"]
+    assert figs["carrier"] == 1 and figs["rpc_connections"] == 1 and figs["rtt_ms"] > 0, figs
+    assert figs["decode_tok_s"] is None or figs["decode_tok_s"] > 0
+    # --watch --json: one JSON object per line, every interval, until stopped.
+    p = subprocess.Popen(
+        [sys.executable, "-m", "linkctl", "lab", "exec", "mac", "--name", pair["lab"].name,
+         "--", "linkctl", "status", "--watch", "--json", "--profile", str(pair["head_prof"])],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )  # fmt: skip
+    time.sleep(3.5 * INTERVAL)
+    p.terminate()
+    out, _ = p.communicate(timeout=10)
+    lines = [json.loads(ln) for ln in out.splitlines() if ln.strip()]
+    assert len(lines) >= 2, out
+    checked = [ln["serve"]["watch"]["checked_at"] for ln in lines]
+    assert checked == sorted(checked) and len(set(checked)) >= 2, checked
+    prom = (pair["tmp"] / "linkctl.prom").read_text()
+    labels = 'profile="dgx-mac-lab",host="mac",role="head"'
+    assert f"linkctl_watch_verdict{{{labels}}} 0" in prom, prom
+    assert f'linkctl_watch_mode{{{labels},mode="split"}} 1' in prom, prom
+    assert f"linkctl_watch_canary_pass{{{labels}}} 1" in prom, prom
+    assert st["watch"]["ticks"] > 0
 
 
 def test_a_shaped_link_is_a_warn_and_the_split_keeps_serving(pair):
