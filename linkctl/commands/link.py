@@ -218,15 +218,20 @@ def register(app: typer.Typer) -> None:
 
 
 def _served(role: str) -> dict | None:
-    """This host's serve status (its watch included), or None when serve never ran."""
+    """This host's serve status (its watch included; on a disaggregated head, route's
+    with its restores), or None when serve never ran."""
     from linkctl.core.errors import InputError
-    from linkctl.core.records import load_status, status_path
+    from linkctl.core.records import load_route_status, load_status, status_path
 
     p = status_path(role)
     if not p.is_file():
         return None
     try:
-        return load_status(p).model_dump(mode="json")
+        out = load_status(p).model_dump(mode="json")
+        route = status_path("route")
+        if role == "head" and route.is_file():
+            out["route"] = load_route_status(route).model_dump(mode="json")
+        return out
     except InputError as e:
         return {"error": e.message}
 
@@ -263,6 +268,13 @@ def _show_status(st: LinkStatus, served: dict | None) -> None:
         f"{served.get('starts')} start(s)",
         markup=False,
     )
+    for model, h in ((served.get("route") or {}).get("restores") or {}).items():
+        stop = "; transfers stopped for it" if h["stopped"] else ""
+        console.print(
+            f"{'restores':>14}  {model}: {h['took']} took, {h['noops']} reused nothing "
+            f"({h['in_a_row']} in a row){stop}",
+            markup=False,
+        )
     w = served.get("watch")
     if not w:
         return

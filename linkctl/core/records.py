@@ -526,6 +526,9 @@ class RouteStatus(Record):
     listen: str
     threshold_tokens: int
     threshold_source: str
+    # By the decode server's model: restores that took, no-ops, in a row, and whether
+    # route stopped transferring for it (linkctl.disagg.router.RestoreHealth).
+    restores: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
 
 def load_route_status(path: Path) -> RouteStatus:

@@ -51,7 +51,7 @@ import threading
 import time
 import urllib.parse
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -61,6 +61,8 @@ from linkctl.disagg import kvxfer
 from linkctl.llama.client import LlamaServer, UpstreamError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from linkctl.trust.secret import PairSecret
 
 GENERATE_PATHS = (
@@ -281,8 +283,14 @@ def _prompt_of(body: dict[str, Any]) -> Any:
 
 
 class Router:
-    def __init__(self, cfg: RouteConfig, log: IO[str] | None = None):
+    def __init__(
+        self,
+        cfg: RouteConfig,
+        log: IO[str] | None = None,
+        on_restores: Callable[[dict[str, RestoreHealth]], None] | None = None,
+    ):
         self.cfg = cfg
+        self.on_restores = on_restores  # after every restore judged (route's status file)
         self.log = speaker("route", log)
         # The HTTP front (route.py) runs its loop in one thread and the blocking stages
         # in others: outcomes and counts are shared between them.
@@ -402,11 +410,16 @@ class Router:
             h = self.restores.setdefault(t.model, RestoreHealth())
             if o.restore_took:
                 h.took, h.in_a_row = h.took + 1, 0
-                return
-            h.noops, h.in_a_row = h.noops + 1, h.in_a_row + 1
+            else:
+                h.noops, h.in_a_row = h.noops + 1, h.in_a_row + 1
             stopping = not h.stopped and h.in_a_row >= stop
             h.stopped = h.stopped or stopping
             in_a_row = h.in_a_row
+            health = {m: replace(x) for m, x in self.restores.items()}
+        if self.on_restores is not None:
+            self.on_restores(health)
+        if o.restore_took:
+            return
         reused = "nothing" if t.cache_n == 0 else f"only {t.cache_n} tokens"
         o.route, o.reason = "fallback", f"restore reused {reused} (cache_n {t.cache_n} of {n})"
         self.log(

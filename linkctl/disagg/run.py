@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import IO, TYPE_CHECKING
 
 from linkctl.core.errors import LinkctlError
@@ -21,7 +22,7 @@ from linkctl.disagg.plan import (
     prefill_model_path,
     resolve_route_config,
 )
-from linkctl.disagg.router import prefill_api_key
+from linkctl.disagg.router import RestoreHealth, prefill_api_key
 from linkctl.serve.run import llama_server_child
 from linkctl.serve.supervise import Policy, Supervisor
 from linkctl.trust.secret import load
@@ -150,6 +151,19 @@ def run_decode(
     route_status = status_path("route")
     route_status.unlink(missing_ok=True)
 
+    st = RouteStatus(
+        listen=f"{cfg.listen_host}:{cfg.listen_port}",
+        threshold_tokens=cfg.threshold_tokens,
+        threshold_source=cfg.threshold_source,
+    )
+    lock = threading.Lock()
+
+    def restores_seen(health: dict[str, RestoreHealth]) -> None:
+        """`linkctl status` shows how restores go, and a model route stopped moving."""
+        with lock:
+            st.restores = {m: asdict(h) for m, h in health.items()}
+            write_atomic(route_status, dump(st, exclude_unset=False))
+
     def start_route() -> None:
         try:
             local = fingerprint(model, plan.decode.kv)
@@ -157,17 +171,13 @@ def run_decode(
                 cfg.agent_host or "", cfg.agent_port, secret=cfg.secret, source=cfg.source
             )
             check_pair(cfg, (local, remote), wait_s=wait_s, say=say)
-            servers.append(rt.RouteServer(rt.Router(cfg, log=log)).start())
+            router = rt.Router(cfg, log=log, on_restores=restores_seen)
+            servers.append(rt.RouteServer(router).start())
         except LinkctlError as e:
             say(f"route not started: {e.line()}")
             failed.append(e)
             sup.request_stop()
             return
-        st = RouteStatus(
-            listen=f"{cfg.listen_host}:{cfg.listen_port}",
-            threshold_tokens=cfg.threshold_tokens,
-            threshold_source=cfg.threshold_source,
-        )
         write_atomic(route_status, dump(st, exclude_unset=False))
         say(
             f"listening on {cfg.listen_host}:{cfg.listen_port}; disaggregating prompts of "

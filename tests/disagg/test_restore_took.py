@@ -330,3 +330,11 @@ def test_a_restore_that_reuses_nothing_is_caught_counted_and_stops_transfers(mak
         log = head.text()
         assert log.count("did not take: restore reused nothing") == 3, log[-3000:]
         assert "no more transfers for it" in log
+        # ... and `linkctl status` says so on the head.
+        r = lab.run("mac", "status", "--profile", str(prof), "--json")
+        route = json.loads(r.stdout)["serve"]["route"]
+        assert route["restores"][model] == {
+            "took": 0, "noops": 3, "in_a_row": 3, "stopped": True
+        }, route  # fmt: skip
+        r = lab.run("mac", "status", "--profile", str(prof))
+        assert "3 reused nothing (3 in a row); transfers stopped for it" in r.stdout, r.stdout
