@@ -123,6 +123,7 @@ class CanaryClock:
         self._seen = self._mtime()
         self._thread: threading.Thread | None = None
         self._gen = 0  # which start of the split a running canary belongs to
+        self._lock = threading.Lock()  # kicked from the watch's thread and the supervisor's
 
     def _mtime(self) -> int:
         try:
@@ -133,18 +134,8 @@ class CanaryClock:
     def findings(self, server: LlamaServer, split_ready: bool) -> list[WatchFinding]:
         """Run the canary if it is due (on the split only), take in one written on
         demand, and say what the last one found."""
-        running = self._thread is not None and self._thread.is_alive()
-        if self.fp is not None and split_ready and not running:
-            if self.due is None and self.interval_s and self._age() >= self.interval_s:
-                self.due = "schedule"
-            if self.due is not None:
-                why, self.due = self.due, None
-                # In a thread of its own: a split that hangs holds the canary's request,
-                # and the watch must go on ticking to see the stall.
-                self._thread = threading.Thread(
-                    target=self._run, args=(server, self.fp, why), daemon=True, name="canary"
-                )
-                self._thread.start()
+        if split_ready:
+            self.kick(server)
         if self._mtime() != self._seen:
             self._seen = self._mtime()
             try:
@@ -156,6 +147,24 @@ class CanaryClock:
         if self.last is None or self.last.verdict is Verdict.PASS:
             return []
         return [WatchFinding(check="canary", verdict=self.last.verdict, detail=self.last.detail)]
+
+    def kick(self, server: LlamaServer) -> None:
+        """Start the canary if it is due (after a start, or by the schedule) and none is
+        running. In a thread of its own: a split that hangs holds the canary's request,
+        and the watch must go on ticking to see the stall."""
+        with self._lock:
+            running = self._thread is not None and self._thread.is_alive()
+            if self.fp is None or running:
+                return
+            if self.due is None and self.interval_s and self._age() >= self.interval_s:
+                self.due = "schedule"
+            if self.due is None:
+                return
+            why, self.due = self.due, None
+            self._thread = threading.Thread(
+                target=self._run, args=(server, self.fp, why), daemon=True, name="canary"
+            )
+            self._thread.start()
 
     def _run(self, server: LlamaServer, fp: Fingerprint, why: str) -> None:
         from linkctl.serve.canary import run_canary
@@ -246,6 +255,7 @@ class HeadGuard:
         if self.mode == "split":
             self.canary.forget()
             self.canary.due = "start"
+            self.canary.kick(self.server)  # now, not at the next tick
 
     def healthy(self, _pid: int) -> str | None:
         rec = self.watch.record
