@@ -17,8 +17,9 @@ head's `linkctl serve` three ways, one after the other, each mode first in turn:
 and --runs completions of --tokens tokens against each (llama-server's own
 timings.predicted_per_second; the canary after the start is waited for and the
 first request of each start is a warm-up, neither counted). Reported: per mode the
-median decode of every run with min-max, the ratio of each round's on/off and busy/off medians (target: the watch costs under 1%,
-ratio >= 0.99), `linkctl serve`'s own CPU while it served (what the watch adds to
+median decode of every run with min-max, the ratio of each round's on/off and
+busy/off medians (target: the watch costs under 1%, ratio >= 0.99), `linkctl
+serve`'s own CPU while it served (what the watch adds to
 the supervisor: the direct cost, which the decode ratio, noisy on a shared 2-core
 machine, cannot resolve to 1%), and the canary's wall time from the head's status.
 The lab is torn down at the end, whatever happens.
