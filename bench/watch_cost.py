@@ -90,6 +90,7 @@ def main() -> int:
     ratios: dict[str, list[float]] = {m: [] for m in MODES if m != "off"}
     canary_s: list[float] = []
     cpu: dict[str, list[float]] = {m: [] for m in MODES}  # serve's own CPU s per s
+    sample_ms: dict[str, list[float]] = {m: [] for m in MODES if m != "off"}
     try:
         for h in ("dgx", "mac"):
             in_ns(name, h, "linkctl", "setup")
@@ -131,10 +132,10 @@ def main() -> int:
                     rows[mode] += rates
                     medians[mode] = statistics.median(rates)
                     if mode != "off":
-                        st = json.loads(path.read_text())
-                        c = (st.get("watch") or {}).get("canary")
-                        if c:
-                            canary_s.append(c["wall_s"])
+                        w = json.loads(path.read_text()).get("watch") or {}
+                        if w.get("canary"):
+                            canary_s.append(w["canary"]["wall_s"])
+                        sample_ms[mode].append(w["figures"]["sample_ms"])
                 finally:
                     head.stop()
             for mode in ratios:
@@ -152,6 +153,8 @@ def main() -> int:
         # `linkctl serve`'s own CPU while it served (the supervisor, its log pump and,
         # when on, the watch): of one core, in percent.
         "serve_cpu_pct": {m: spread([100 * x for x in v]) for m, v in cpu.items()},
+        # One reading's wall time (link facts, sock_diag, /metrics, ping when idle).
+        "sample_ms": {m: spread(v) for m, v in sample_ms.items() if v},
         "target_ratio": TARGET,
         "met": {m: statistics.median(v) >= TARGET for m, v in ratios.items()},
         "rounds": a.rounds,
@@ -168,6 +171,7 @@ def main() -> int:
     for m, v in rows.items():
         r = out["ratio_vs_off"].get(m, "-")
         print(f"{m:6} {spread(v):32} {r:24} {out['serve_cpu_pct'][m]}")
+    print(f"one reading of the watch: {out['sample_ms']} ms")
     print(f"canary wall time: {out['canary_wall_s']} s; target ratio >= {TARGET}: {out['met']}")
     return 0
 

@@ -251,7 +251,9 @@ class Watch:
         # The active sample only when no request decoded in the interval: a busy link's
         # own connection says more than an echo, and costs nothing.
         idle = before is None or before.busy in (0, None)
+        t0 = time.perf_counter()
         now = self.sample(idle)
+        took_ms = (time.perf_counter() - t0) * 1000
         found = self._persistent(judge(self.cfg, now, before))
         if self.extra is not None:
             found += self.extra()
@@ -269,7 +271,7 @@ class Watch:
             r.verdict = verdict
             r.findings = found
             r.reasons = [f"{f.check}: {f.detail}" for f in found]
-            r.figures = figures(now, before)
+            r.figures = figures(now, before) | {"sample_ms": round(took_ms, 2)}
             for kind, (ref, source) in self.cfg.refs.items():
                 r.figures[f"{kind}_ref_tok_s"] = round(ref, 2)
                 r.figures[f"{kind}_ref_source"] = source
