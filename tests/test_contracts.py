@@ -222,6 +222,10 @@ def test_linux_reads_a_live_connection_from_the_kernel():
     )
     assert r.returncode == 0, r.stderr
     conns = [TcpConn(**d) for d in json.loads(r.stdout)]
-    assert len(conns) == 1, conns
-    check_conn(conns[0])
-    assert conns[0].bytes_sent == 5001  # tcpi_bytes_acked counts the SYN too
+    assert len(conns) == 2, conns  # the connection seen from both of its ends
+    for c in conns:
+        check_conn(c)
+    client = next(c for c in conns if c.bytes_sent)
+    server = next(c for c in conns if c is not client)
+    assert client.bytes_sent == 5001  # tcpi_bytes_acked counts the SYN too
+    assert server.bytes_received == 5000 and server.local == client.remote
