@@ -1,28 +1,32 @@
 #!/usr/bin/env python3
-"""What serve's watch costs: decode tokens/s with the watch on and off, and the canary's
-wall time, on the same pair in the lab.
+"""What serve's watch costs: decode tokens/s of a watched pair against an unwatched one
+decoding at the same time, and the canary's wall time, in the lab.
 
-    sudo .venv/bin/python bench/watch_cost.py [--rounds 3] [--runs 8] [--tokens 64] [--json]
+    sudo .venv/bin/python bench/watch_cost.py [--rounds 6] [--runs 8] [--tokens 64] [--json]
 
-Stands up a dgx-mac lab (namespaces, 198.18.0.0/15 only), `linkctl setup` on both
-ends, writes a tiny random-weight llama (8 layers x 512: a token is ~10-30 ms of work
-here, as a real model's is tens of ms), runs `linkctl serve` on dgx (rpc-server) and
-`linkctl verify` on mac (it records the canary's fingerprint). Then, per round, the
-head's `linkctl serve` three ways, one after the other, each mode first in turn:
+On this shared 2-core machine decode moves by 10-20% between back-to-back runs (other
+jobs' load), far more than the watch's cost: two runs of one pair, first without the
+watch and then with it, cannot resolve 1%. So two labs (dgx-mac each: namespaces,
+198.18.0.0/15 only) run side by side, each its own `linkctl serve` on both hosts and its
+own client, and decode at the same time: what slows the machine slows both, and each
+round's ratio watched / unwatched keeps what differs, the watch. Which lab is watched
+swaps every round, so a difference between the labs themselves cancels out too.
 
-  off     serve.watch_interval_s = 0 (no watch, no canary)
-  on      the default: every 5 s, the canary after the start and every 60 s
-  busy    every 1 s, the canary every 10 s (the lab tests' pace)
+Per lab: `linkctl setup` on both ends, a tiny random-weight llama (8 layers x 512: a
+token is several ms of work here), rpc-server under `linkctl serve`, and `linkctl
+verify` on the head (it records the canary's fingerprint). Per round and mode:
 
-and --runs completions of --tokens tokens against each (llama-server's own
-timings.predicted_per_second; the canary after the start is waited for and the
-first request of each start is a warm-up, neither counted). Reported: per mode the
-median decode of every run with min-max, the ratio of each round's on/off and
-busy/off medians (target: the watch costs under 1%, ratio >= 0.99), `linkctl
-serve`'s own CPU while it served (what the watch adds to
-the supervisor: the direct cost, which the decode ratio, noisy on a shared 2-core
-machine, cannot resolve to 1%), and the canary's wall time from the head's status.
-The lab is torn down at the end, whatever happens.
+  on      the default: the watch every 5 s, the canary after the start and every 60 s
+  busy    the watch every 1 s, the canary every 10 s (the lab tests' pace)
+
+against `off` (serve.watch_interval_s = 0) in the other lab: both heads started, the
+watched one's canary after the start waited for, one warm-up request each, then --runs
+completions of --tokens tokens in both labs at once (llama-server's own
+timings.predicted_per_second). Reported per mode: the median of the rounds' ratios of
+medians with min-max (target: the watch costs under 1%, ratio >= 0.99), `linkctl
+serve`'s own CPU while it served (the supervisor, its log pump and, when on, the watch),
+one reading's wall time, and the canary's wall time. Both labs are torn down at the
+end, whatever happens.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -62,99 +67,133 @@ def wait_canary(path: Path, timeout: float = 60) -> None:
     raise SystemExit(f"no canary after the start within {timeout} s")
 
 
-def spread(xs: list[float]) -> str:
-    return f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
+def together(pairs: dict[str, Pair], tokens: int, runs: int) -> dict[str, list[dict]]:
+    """Each pair's completions, all pairs at the same time."""
+    out: dict[str, list[dict]] = {}
+
+    def go(mode: str, p: Pair) -> None:
+        out[mode] = complete(p.name, "mac", PORT, tokens, runs)
+
+    threads = [threading.Thread(target=go, args=x) for x in pairs.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def spread(xs: list[float], digits: int = 3) -> str:
+    return f"{statistics.median(xs):.{digits}f} ({min(xs):.{digits}f}-{max(xs):.{digits}f})"
+
+
+class Pair:
+    """One lab with rpc-server served, a model, and a profile per mode."""
+
+    def __init__(self, tmp: Path, name: str, model: str):
+        import tomllib
+
+        import tomli_w
+
+        from linkctl.core.profile import load_profile
+        from linkctl.core.records import status_path
+        from linkctl.lab import netns
+
+        self.name, self.tmp = name, tmp
+        self.lab = netns.up(load_profile("dgx-mac")[0], name)
+        self.procs: list[Proc] = []
+        for h in ("dgx", "mac"):
+            in_ns(name, h, "linkctl", "setup")
+        base = tomllib.loads(Path(self.lab.profile_path).read_text())
+        base["serve"] |= {"ctx": 1024, "model": model}
+        self.profiles = {}
+        for mode, extra in MODES.items():
+            d = json.loads(json.dumps(base))
+            d["serve"] |= extra
+            self.profiles[mode] = tmp / f"{name}-{mode}.toml"
+            self.profiles[mode].write_text(tomli_w.dumps(d))
+        rpc = Proc(name, "dgx", ["linkctl", "serve", "--profile", str(self.profiles["off"])],
+                   tmp / f"{name}-dgx.log")  # fmt: skip
+        self.procs.append(rpc)
+        wait_status(status_path("rpc", self.lab.host_state_dir("dgx")), rpc, 60, "rpc-server")
+        in_ns(name, "mac", "linkctl", "verify", "--profile", str(self.profiles["on"]),
+              "--model", model, timeout=600)  # fmt: skip
+        self.status = status_path("head", self.lab.host_state_dir("mac"))
+
+    def head(self, mode: str, tag: str) -> Proc:
+        p = Proc(self.name, "mac",
+                 ["linkctl", "serve", "--skip-probe", "--profile", str(self.profiles[mode])],
+                 self.tmp / f"{self.name}-mac-{tag}.log")  # fmt: skip
+        wait_status(self.status, p, 120, f"llama-server ({mode})")
+        if mode != "off":  # the canary after the start: its cost is its own figure
+            wait_canary(self.status)
+        complete(self.name, "mac", PORT, 8, 1)  # warm-up
+        return p
+
+    def close(self) -> None:
+        from linkctl.lab import netns
+
+        for p in self.procs:
+            p.stop()
+        netns.down(self.name)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=6, help="rounds per mode (even: swaps)")
     ap.add_argument("--runs", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    import tomllib
-
-    import tomli_w
-
-    from linkctl.core.profile import load_profile
-    from linkctl.core.records import status_path
     from linkctl.gguf.tiny import TinySpec, write_tiny_llama
-    from linkctl.lab import netns
 
     name, tmp, _state, _bins = start("watchcost", "network namespaces")
     model = write_tiny_llama(tmp / "tiny.gguf", TinySpec(n_layer=8, n_embd=512, n_ff=1024))
-    lab = netns.up(load_profile("dgx-mac")[0], name)
-    procs: list[Proc] = []
-    rows: dict[str, list[float]] = {m: [] for m in MODES}
-    ratios: dict[str, list[float]] = {m: [] for m in MODES if m != "off"}
+    pairs: list[Pair] = []
+    ratios: dict[str, list[float]] = {"on": [], "busy": []}
+    decode: dict[str, list[float]] = {"off": [], "on": [], "busy": []}
+    cpu: dict[str, list[float]] = {"off": [], "on": [], "busy": []}
+    sample_ms: dict[str, list[float]] = {"on": [], "busy": []}
     canary_s: list[float] = []
-    cpu: dict[str, list[float]] = {m: [] for m in MODES}  # serve's own CPU s per s
-    sample_ms: dict[str, list[float]] = {m: [] for m in MODES if m != "off"}
     try:
-        for h in ("dgx", "mac"):
-            in_ns(name, h, "linkctl", "setup")
-        base = tomllib.loads(Path(lab.profile_path).read_text())
-        base["serve"] |= {"ctx": 1024, "model": model["path"]}
-        profiles = {}
-        for mode, extra in MODES.items():
-            d = json.loads(json.dumps(base))
-            d["serve"] |= extra
-            profiles[mode] = tmp / f"{mode}.toml"
-            profiles[mode].write_text(tomli_w.dumps(d))
-        rpc = Proc(name, "dgx", ["linkctl", "serve", "--profile", str(profiles["off"])],
-                   tmp / "dgx.log")  # fmt: skip
-        procs.append(rpc)
-        wait_status(status_path("rpc", lab.host_state_dir("dgx")), rpc, 60, "rpc-server")
-        in_ns(name, "mac", "linkctl", "verify", "--profile", str(profiles["on"]),
-              "--model", model["path"], timeout=600)  # fmt: skip
-        order = list(MODES)
-        for rnd in range(a.rounds):
-            medians = {}
-            for mode in order[rnd % 3 :] + order[: rnd % 3]:  # each mode first in turn
-                head = Proc(
-                    name,
-                    "mac",
-                    ["linkctl", "serve", "--skip-probe", "--profile", str(profiles[mode])],
-                    tmp / f"mac-{mode}-{rnd}.log",
-                )
+        for k in range(2):
+            pairs.append(Pair(tmp, f"{name[:6]}{k}", model["path"]))
+        for mode in ("on", "busy"):
+            for rnd in range(a.rounds):
+                watched, other = (pairs[0], pairs[1]) if rnd % 2 == 0 else (pairs[1], pairs[0])
+                heads = [watched.head(mode, f"{mode}{rnd}"), other.head("off", f"{mode}{rnd}")]
                 try:
-                    path = status_path("head", lab.host_state_dir("mac"))
-                    wait_status(path, head, 120, f"llama-server ({mode})")
-                    if mode != "off":  # the canary after the start: its cost is its own
-                        wait_canary(path)
-                    complete(name, "mac", PORT, a.tokens, 1)  # warm-up
-                    sup = json.loads(path.read_text())["pid"]
-                    c0, t0 = cpu_s(sup), time.monotonic()
-                    runs = complete(name, "mac", PORT, a.tokens, a.runs)
-                    cpu[mode].append((cpu_s(sup) - c0) / (time.monotonic() - t0))
-                    rates = [r["predicted_per_second"] for r in runs]
-                    rows[mode] += rates
-                    medians[mode] = statistics.median(rates)
-                    if mode != "off":
-                        w = json.loads(path.read_text()).get("watch") or {}
-                        if w.get("canary"):
-                            canary_s.append(w["canary"]["wall_s"])
-                        sample_ms[mode].append(w["figures"]["sample_ms"])
+                    sups = {m: json.loads(p.status.read_text())["pid"]
+                            for m, p in ((mode, watched), ("off", other))}  # fmt: skip
+                    c0 = {m: cpu_s(pid) for m, pid in sups.items()}
+                    t0 = time.monotonic()
+                    out = together({mode: watched, "off": other}, a.tokens, a.runs)
+                    dt = time.monotonic() - t0
+                    for m, pid in sups.items():
+                        cpu[m].append(100 * (cpu_s(pid) - c0[m]) / dt)
+                    med = {m: statistics.median(r["predicted_per_second"] for r in v)
+                           for m, v in out.items()}  # fmt: skip
+                    for m, v in out.items():
+                        decode[m] += [r["predicted_per_second"] for r in v]
+                    ratios[mode].append(med[mode] / med["off"])
+                    w = json.loads(watched.status.read_text()).get("watch") or {}
+                    sample_ms[mode].append(w["figures"]["sample_ms"])
+                    if w.get("canary"):
+                        canary_s.append(w["canary"]["wall_s"])
+                    print(f"{mode} round {rnd + 1} (watched: {watched.name}): "
+                          f"{med[mode]:.2f} vs off {med['off']:.2f} tok/s, "
+                          f"ratio {ratios[mode][-1]:.3f}", file=sys.stderr)  # fmt: skip
                 finally:
-                    head.stop()
-            for mode in ratios:
-                ratios[mode].append(medians[mode] / medians["off"])
-            line = ", ".join(f"{m} {v:.2f}" for m, v in medians.items())
-            print(f"round {rnd + 1}: decode tok/s medians: {line}", file=sys.stderr)
+                    for h in heads:
+                        h.stop()
     finally:
-        for p in procs:
-            p.stop()
-        netns.down(name)
-    out = {
-        "decode_tok_s": {m: spread(v) for m, v in rows.items()},
-        "ratio_vs_off": {m: spread(v) for m, v in ratios.items()},
-        "canary_wall_s": spread(canary_s) if canary_s else None,
-        # `linkctl serve`'s own CPU while it served (the supervisor, its log pump and,
-        # when on, the watch): of one core, in percent.
-        "serve_cpu_pct": {m: spread([100 * x for x in v]) for m, v in cpu.items()},
-        # One reading's wall time (link facts, sock_diag, /metrics, ping when idle).
-        "sample_ms": {m: spread(v) for m, v in sample_ms.items() if v},
+        for p in pairs:
+            p.close()
+    res = {
+        "ratio_watched_vs_off": {m: spread(v) for m, v in ratios.items()},
+        "decode_tok_s": {m: spread(v, 1) for m, v in decode.items()},
+        "serve_cpu_pct_of_a_core": {m: spread(v, 2) for m, v in cpu.items()},
+        "sample_ms": {m: spread(v, 2) for m, v in sample_ms.items()},
+        "canary_wall_s": spread(canary_s, 2) if canary_s else None,
         "target_ratio": TARGET,
         "met": {m: statistics.median(v) >= TARGET for m, v in ratios.items()},
         "rounds": a.rounds,
@@ -162,17 +201,16 @@ def main() -> int:
         "tokens": a.tokens,
     }
     if a.json:
-        print(json.dumps(out, indent=2))
+        print(json.dumps(res, indent=2))
         return 0
-    print(
-        f"{'mode':6} {'decode tok/s median (min-max)':32} {'ratio vs off (rounds)':24} "
-        "serve's own CPU, % of a core"
-    )
-    for m, v in rows.items():
-        r = out["ratio_vs_off"].get(m, "-")
-        print(f"{m:6} {spread(v):32} {r:24} {out['serve_cpu_pct'][m]}")
-    print(f"one reading of the watch: {out['sample_ms']} ms")
-    print(f"canary wall time: {out['canary_wall_s']} s; target ratio >= {TARGET}: {out['met']}")
+    print(f"{'mode':5} {'ratio watched/off, median (min-max)':38} {'serve CPU % of a core':24}"
+          " one reading, ms")  # fmt: skip
+    for m in ("on", "busy"):
+        print(f"{m:5} {res['ratio_watched_vs_off'][m]:38} "
+              f"{res['serve_cpu_pct_of_a_core'][m]:24} {res['sample_ms'][m]}")  # fmt: skip
+    print(f"off   serve CPU % of a core {res['serve_cpu_pct_of_a_core']['off']}")
+    print(f"decode tok/s: {res['decode_tok_s']}")
+    print(f"canary wall time: {res['canary_wall_s']} s; target ratio >= {TARGET}: {res['met']}")
     return 0
 
 

@@ -38,6 +38,11 @@ class UpstreamError(CheckFailed):
         super().__init__(message, fix or "check that llama-server runs there and read its log")
 
 
+class UpstreamTimeout(UpstreamError):
+    """The llama-server took the connection and did not answer in time: it is there but
+    stuck (its main loop answers /metrics; serve's watch calls that a stall)."""
+
+
 @dataclass(frozen=True)
 class Timing:
     """One /completion's ``timings`` from llama-server (counts as llama-server gives them)."""
@@ -148,6 +153,8 @@ class LlamaServer:
             conn.request("GET", "/metrics", headers=self.headers)
             r = conn.getresponse()
             raw = r.read().decode(errors="replace")
+        except TimeoutError:
+            raise UpstreamTimeout(f"{where}: no answer within {timeout:g} s", url=where) from None
         except (OSError, http.client.HTTPException) as e:
             raise UpstreamError(f"{where}: {type(e).__name__}: {e}", url=where) from None
         finally:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from linkctl.core.errors import InputError
-from linkctl.llama.client import UpstreamError
+from linkctl.llama.client import UpstreamError, UpstreamTimeout
 from linkctl.serve.watch import Reading
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ class Sampler:
                 r.prompt_s = m.get("prompt_seconds_total")
             except UpstreamError as e:
                 self.errors["metrics"] = e.message
-                r.loop_stuck = "timed out" in e.message
+                r.loop_stuck = isinstance(e, UpstreamTimeout)
         if idle and r.carrier:
             self._ping(r)
         return r
