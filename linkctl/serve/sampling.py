@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from linkctl.net.backend import Backend
 
 PING_TIMEOUT_S = 1.0
+PING_COUNT = 2  # one echo lost on a busy path is not a peer gone
 
 
 def process_problem(pid: int | None, name: str) -> str | None:
@@ -89,19 +90,28 @@ class Sampler:
         return r
 
     def _ping(self, r: Reading) -> None:
+        """Two echoes to each peer: lost both is a peer that does not answer; a ping
+        that could not run (no binary, no permission for an ICMP socket under a
+        hardened unit) says nothing about the link."""
         from linkctl.net.ping import parse_ping
 
         worst = None
         for peer in self.peers:
-            argv = self.backend.ping_argv(peer, count=1, timeout_s=PING_TIMEOUT_S)
+            argv = self.backend.ping_argv(
+                peer, count=PING_COUNT, timeout_s=PING_TIMEOUT_S, interval_s=0.2
+            )
             try:
                 res = self.backend.runner.run(argv, timeout=PING_TIMEOUT_S + 3, check=False)
             except InputError as e:  # no ping binary, or it hung past its own deadline
-                r.ping_error = f"ping {peer}: {e.message}"
+                r.ping_error = f"ping {peer} could not run: {e.message}"
                 return
             p = parse_ping(res.stdout)
+            if not p.sent:
+                why = (res.stderr.strip().splitlines() or ["no output"])[0]
+                r.ping_error = f"ping {peer} could not run: {why}"
+                return
             if not p.received or p.avg_us is None:
-                r.ping_error = f"ping {peer}: no reply within {PING_TIMEOUT_S:g} s"
+                r.ping_lost = f"ping {peer}: no reply to {p.sent} echoes"
                 return
             worst = max(worst or 0.0, p.avg_us / 1000)
         r.ping_ms = round(worst, 3) if worst is not None else None

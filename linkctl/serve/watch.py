@@ -80,7 +80,8 @@ class Reading:
     prompt_tokens: float | None = None  # tokens prefilled, cumulative
     prompt_s: float | None = None
     ping_ms: float | None = None
-    ping_error: str | None = None
+    ping_lost: str | None = None  # every echo to a peer went unanswered
+    ping_error: str | None = None  # ping could not run: says nothing of the link
 
 
 @dataclass
@@ -149,8 +150,10 @@ def judge(cfg: WatchConfig, now: Reading, before: Reading | None) -> list[WatchF
             more = sum(c.retrans_total - was[c.local] for c in now.conns if c.local in was)
             if more >= RETRANS_WARN:
                 add("retransmits", Verdict.WARN, f"{more} segments retransmitted in the interval")
-    if now.ping_error:
-        add("ping", Verdict.FAIL if "no reply" in now.ping_error else Verdict.WARN, now.ping_error)
+    if now.ping_lost:
+        add("ping", Verdict.FAIL, now.ping_lost)
+    elif now.ping_error:
+        add("ping", Verdict.WARN, now.ping_error)
     elif now.ping_ms is not None and (bound := cfg.rtt_warn_ms()) and now.ping_ms > bound:
         add("rtt", Verdict.WARN, f"ping {now.ping_ms:.2f} ms, above {bound:.2f} ms")
     for kind, (ref, source) in cfg.refs.items():

@@ -65,9 +65,10 @@ def test_link_findings():
     assert judge(cfg(probe_rtt_ms=None), reading(conns=[conn(rtt_ms=9)]), None) == []
     more = judge(c, reading(conns=[conn(retrans_total=7)]), reading(conns=[conn(retrans_total=4)]))
     assert checks(more) == {"retransmits": Verdict.WARN}
-    assert checks(judge(c, reading(ping_error="ping x: no reply within 1 s"), None)) == {
-        "ping": Verdict.FAIL
-    }
+    lost = judge(c, reading(ping_lost="ping x: no reply to 2 echoes"), None)
+    assert checks(lost) == {"ping": Verdict.FAIL}
+    cannot = judge(c, reading(ping_error="ping x could not run: permission denied"), None)
+    assert checks(cannot) == {"ping": Verdict.WARN}
 
 
 def test_rpc_findings_and_the_stall_needs_someone_waiting():
