@@ -71,8 +71,12 @@ def pair(tmp_path_factory):
             "canary_tokens": 4,
             "metrics_textfile": str(tmp / "linkctl.prom"),
         }
-        rpc_prof = tmp / "rpc.toml"
-        rpc_prof.write_text(tomli_w.dumps(data))
+        rpc_prof = tmp / "rpc.toml"  # its own textfile: in the lab both hosts share one disk
+        rpc_prof.write_text(
+            tomli_w.dumps(
+                data | {"serve": data["serve"] | {"metrics_textfile": str(tmp / "rpc.prom")}}
+            )
+        )
         for h in data["hosts"]:
             if h["name"] == "dgx":
                 h["rpc"]["port"] = 50053  # the head reaches rpc-server through the proxy
@@ -86,7 +90,7 @@ def pair(tmp_path_factory):
         proxy = subprocess.Popen(
             ["ip", "netns", "exec", lab.netns("dgx"), sys.executable, "-m",
              "linkctl.lab.delayproxy", "--listen", "198.18.100.2:50053", "--target",
-             "198.18.100.2:50052", "--corrupt", "get_tensor", "--corrupt-rate", "1e-4",
+             "198.18.100.2:50052", "--corrupt", "get_tensor", "--corrupt-rate", "1e-3",
              "--control", str(control)],
             stdout=subprocess.DEVNULL,
             stderr=open(tmp / "proxy.log", "w"),  # noqa: SIM115 (lives with the module)
@@ -207,6 +211,10 @@ def test_status_and_the_textfile_show_the_watch(pair):
     assert f"linkctl_watch_verdict{{{labels}}} 0" in prom, prom
     assert f'linkctl_watch_mode{{{labels},mode="split"}} 1' in prom, prom
     assert f"linkctl_watch_canary_pass{{{labels}}} 1" in prom, prom
+    rpc = (pair["tmp"] / "rpc.prom").read_text()
+    labels = 'profile="dgx-mac-lab",host="dgx",role="rpc"'
+    assert f"linkctl_watch_verdict{{{labels}}} 0" in rpc, rpc
+    assert f"linkctl_watch_rpc_connections{{{labels}}}" in rpc, rpc
     assert st["watch"]["ticks"] > 0
 
 

@@ -193,21 +193,34 @@ def register(app: typer.Typer) -> None:
         """
         import time
 
+        from linkctl.core.errors import InputError
         from linkctl.net import link
 
         prof, h, backend, path = load_with_host(profile, host)
         while True:
-            st = link.status(prof, h, backend)
             served = _served(h.role)
+            try:
+                st = link.status(prof, h, backend)
+            except InputError as e:
+                # The link interface gone (a cable's USB NIC pulled, a veth deleted): still
+                # a status, the serve and its watch said beside it.
+                if not served and not watch:
+                    raise
+                st = None
+                gone = {"profile": prof.name, "host": h.name, "ok": False, "error": e.message}
             if json_:
-                data = {**st.as_dict(), "serve": served}
+                data = {**(st.as_dict() if st else gone), "serve": served}
                 if watch:
                     print_json(data, indent=None)
                 else:
                     emit_json(data, path)
+            elif st is None:
+                console.print(f"{'interface':>14}  {gone['error']}", markup=False)
+                _show_served(served)
             else:
                 _show_status(st, served)
-            failed = not st.ok or ((served or {}).get("watch") or {}).get("verdict") == "FAIL"
+            w = (served or {}).get("watch") or {}
+            failed = st is None or not st.ok or w.get("verdict") == "FAIL"
             if not watch:
                 break
             time.sleep(prof.serve.watch_interval_s or 5.0)
@@ -260,6 +273,10 @@ def _show_status(st: LinkStatus, served: dict | None) -> None:
     for d in st.drift:
         what = f"{d.field}: want {d.want}, have {d.have}"
         console.print(f"{'drift':>14}  {verdict(d.severity)} {what}")
+    _show_served(served)
+
+
+def _show_served(served: dict | None) -> None:
     if served is None:
         console.print(f"{'serve':>14}  not running here (no status)", markup=False)
         return

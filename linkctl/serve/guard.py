@@ -223,7 +223,7 @@ class HeadGuard:
             s.canary_interval_s,
             s.canary_tokens,
             say,
-            on_result=lambda r: self.watch.set_canary(r),
+            on_result=self._canary_result,
         )
         sampler.expect_connected = lambda: self.mode == "split" and self.ready
         self.watch = Watch(
@@ -233,6 +233,11 @@ class HeadGuard:
             extra=lambda: self.canary.findings(server, self.mode == "split" and self.ready),
         )
         self.watch.record.mode_since = self.watch.record.since
+
+    def _canary_result(self, result: CanaryRecord) -> None:
+        self.watch.set_canary(result)
+        if result.verdict is Verdict.FAIL:
+            self.watch.wake()  # judged and acted on now, not at the next interval
 
     # ---- the supervisor's hooks --------------------------------------------------
 

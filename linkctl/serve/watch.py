@@ -223,13 +223,20 @@ class Watch:
         self.extra = extra
         self.before: Reading | None = None
         now = stamp()
+        # Not PASS before it has looked: WARN until the first reading.
         self.record = WatchRecord(
-            since=now, interval_s=cfg.interval_s, checked_at=now, on_fail=cfg.on_fail
+            verdict=Verdict.WARN,
+            reasons=["watch: no reading yet"],
+            since=now,
+            interval_s=cfg.interval_s,
+            checked_at=now,
+            on_fail=cfg.on_fail,
         )
         self._link_ok_since: float | None = time.monotonic()
         self._rates: dict[str, list[float]] = {kind: [] for kind in RATES}
         self._low = dict.fromkeys(RATES, 0)  # intervals in a row each rate was low
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self.lock = threading.Lock()
 
@@ -324,10 +331,19 @@ class Watch:
         # The first reading at once: it pays the sources' one-time costs (pyroute2's
         # import alone is ~250 ms of CPU) before serving, not in the first requests.
         self.tick()
-        while not self._stop.wait(self.cfg.interval_s):
-            self.tick()
+        while not self._stop.is_set():
+            self._wake.wait(self.cfg.interval_s)
+            self._wake.clear()
+            if not self._stop.is_set():
+                self.tick()
+
+    def wake(self) -> None:
+        """Take the next reading now (a canary FAIL is acted on at once, not at the
+        next interval)."""
+        self._wake.set()
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=self.cfg.interval_s + 10)
