@@ -2,15 +2,18 @@
 """What serve's watch costs: decode tokens/s of a watched pair against an unwatched one
 decoding at the same time, and the canary's wall time, in the lab.
 
-    sudo .venv/bin/python bench/watch_cost.py [--rounds 6] [--runs 8] [--tokens 64] [--json]
+    sudo .venv/bin/python bench/watch_cost.py [--rounds 8] [--runs 8] [--tokens 64] [--json]
 
 On this shared 2-core machine decode moves by 10-20% between back-to-back runs (other
 jobs' load), far more than the watch's cost: two runs of one pair, first without the
 watch and then with it, cannot resolve 1%. So two labs (dgx-mac each: namespaces,
 198.18.0.0/15 only) run side by side, each its own `linkctl serve` on both hosts and its
-own client, and decode at the same time: what slows the machine slows both, and each
-round's ratio watched / unwatched keeps what differs, the watch. Which lab is watched
-swaps every round, so a difference between the labs themselves cancels out too.
+own client, every process of a lab on a CPU of its own (affinity), and decode at the
+same time: what slows the machine slows both, and each round's ratio watched /
+unwatched keeps what differs, the watch. (Sharing both CPUs, the pair whose head
+started first decoded 10-20% slower, whichever it was.) Which lab is watched swaps
+every round and which head starts first every two rounds, so a difference between the
+labs themselves (their CPUs), or the order, cancels out too.
 
 Per lab: `linkctl setup` on both ends, a tiny random-weight llama (8 layers x 512: a
 token is several ms of work here), rpc-server under `linkctl serve`, and `linkctl
@@ -22,8 +25,10 @@ verify` on the head (it records the canary's fingerprint). Per round and mode:
 against `off` (serve.watch_interval_s = 0) in the other lab: both heads started, the
 watched one's canary after the start waited for, one warm-up request each, then --runs
 completions of --tokens tokens in both labs at once (llama-server's own
-timings.predicted_per_second). Reported per mode: the median of the rounds' ratios of
-medians with min-max (target: the watch costs under 1%, ratio >= 0.99), `linkctl
+timings.predicted_per_second). Reported per mode: the rounds' ratios of medians, and
+the order-balanced ones (the geometric mean of two rounds on the same lab, started in
+either order), median with min-max (target: the watch costs under 1%, a balanced
+median >= 0.99), `linkctl
 serve`'s own CPU while it served (the supervisor, its log pump and, when on, the watch),
 one reading's wall time, and the canary's wall time. Both labs are torn down at the
 end, whatever happens.
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -40,7 +46,7 @@ import threading
 import time
 from pathlib import Path
 
-from labkit import Proc, complete, in_ns, start, wait_status
+from labkit import COMPLETE, PROMPT, PY, CpuLimit, Proc, in_ns, start, wait_status
 
 PORT = 9999
 MODES = {
@@ -72,7 +78,7 @@ def together(pairs: dict[str, Pair], tokens: int, runs: int) -> dict[str, list[d
     out: dict[str, list[dict]] = {}
 
     def go(mode: str, p: Pair) -> None:
-        out[mode] = complete(p.name, "mac", PORT, tokens, runs)
+        out[mode] = p.complete(tokens, runs)
 
     threads = [threading.Thread(target=go, args=x) for x in pairs.items()]
     for t in threads:
@@ -89,7 +95,7 @@ def spread(xs: list[float], digits: int = 3) -> str:
 class Pair:
     """One lab with rpc-server served, a model, and a profile per mode."""
 
-    def __init__(self, tmp: Path, name: str, model: str):
+    def __init__(self, tmp: Path, name: str, model: str, cpu: int):
         import tomllib
 
         import tomli_w
@@ -99,6 +105,9 @@ class Pair:
         from linkctl.lab import netns
 
         self.name, self.tmp = name, tmp
+        # Every process of this pair (serve, its servers, the client) on one CPU of its
+        # own: the other pair's llama.cpp threads never share it.
+        self.limit = CpuLimit(cpus={cpu})
         self.lab = netns.up(load_profile("dgx-mac")[0], name)
         self.procs: list[Proc] = []
         for h in ("dgx", "mac"):
@@ -112,22 +121,26 @@ class Pair:
             self.profiles[mode] = tmp / f"{name}-{mode}.toml"
             self.profiles[mode].write_text(tomli_w.dumps(d))
         rpc = Proc(name, "dgx", ["linkctl", "serve", "--profile", str(self.profiles["off"])],
-                   tmp / f"{name}-dgx.log")  # fmt: skip
+                   tmp / f"{name}-dgx.log", limit=self.limit)  # fmt: skip
         self.procs.append(rpc)
         wait_status(status_path("rpc", self.lab.host_state_dir("dgx")), rpc, 60, "rpc-server")
         in_ns(name, "mac", "linkctl", "verify", "--profile", str(self.profiles["on"]),
-              "--model", model, timeout=600)  # fmt: skip
+              "--model", model, timeout=600, limit=self.limit)  # fmt: skip
         self.status = status_path("head", self.lab.host_state_dir("mac"))
 
     def head(self, mode: str, tag: str) -> Proc:
         p = Proc(self.name, "mac",
                  ["linkctl", "serve", "--skip-probe", "--profile", str(self.profiles[mode])],
-                 self.tmp / f"{self.name}-mac-{tag}.log")  # fmt: skip
+                 self.tmp / f"{self.name}-mac-{tag}.log", limit=self.limit)  # fmt: skip
         wait_status(self.status, p, 120, f"llama-server ({mode})")
         if mode != "off":  # the canary after the start: its cost is its own figure
             wait_canary(self.status)
-        complete(self.name, "mac", PORT, 8, 1)  # warm-up
+        self.complete(8, 1)  # warm-up
         return p
+
+    def complete(self, tokens: int, runs: int) -> list[dict]:
+        argv = [PY, "-c", COMPLETE, str(PORT), str(tokens), str(runs), PROMPT]
+        return json.loads(in_ns(self.name, "mac", *argv, limit=self.limit))
 
     def close(self) -> None:
         from linkctl.lab import netns
@@ -135,11 +148,12 @@ class Pair:
         for p in self.procs:
             p.stop()
         netns.down(self.name)
+        self.limit.close()
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=6, help="rounds per mode (even: swaps)")
+    ap.add_argument("--rounds", type=int, default=8, help="rounds per mode (4k: all swaps)")
     ap.add_argument("--runs", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--json", action="store_true")
@@ -156,11 +170,16 @@ def main() -> int:
     canary_s: list[float] = []
     try:
         for k in range(2):
-            pairs.append(Pair(tmp, f"{name[:6]}{k}", model["path"]))
+            pairs.append(Pair(tmp, f"{name[:6]}{k}", model["path"], cpu=k))
         for mode in ("on", "busy"):
             for rnd in range(a.rounds):
                 watched, other = (pairs[0], pairs[1]) if rnd % 2 == 0 else (pairs[1], pairs[0])
-                heads = [watched.head(mode, f"{mode}{rnd}"), other.head("off", f"{mode}{rnd}")]
+                # Which head starts first alternates too (every two rounds): on 2 cores
+                # shared by 8 llama.cpp threads, the start order alone moved decode 10%.
+                if (rnd // 2) % 2 == 0:
+                    heads = [watched.head(mode, f"{mode}{rnd}"), other.head("off", f"{mode}{rnd}")]
+                else:
+                    heads = [other.head("off", f"{mode}{rnd}"), watched.head(mode, f"{mode}{rnd}")]
                 try:
                     sups = {m: json.loads(p.status.read_text())["pid"]
                             for m, p in ((mode, watched), ("off", other))}  # fmt: skip
@@ -188,14 +207,25 @@ def main() -> int:
     finally:
         for p in pairs:
             p.close()
+    # Rounds k and k + 2 watch the same lab with the heads started in the other order:
+    # their geometric mean cancels the order, which alone moved a round's ratio 10-20%.
+    balanced = {
+        m: [
+            math.sqrt(v[k] * v[k + 2])
+            for k in range(len(v) - 2)
+            if (k // 2) % 2 == 0 and k + 2 < len(v)
+        ]
+        for m, v in ratios.items()
+    }
     res = {
+        "ratio_balanced": {m: spread(v) for m, v in balanced.items() if v},
         "ratio_watched_vs_off": {m: spread(v) for m, v in ratios.items()},
         "decode_tok_s": {m: spread(v, 1) for m, v in decode.items()},
         "serve_cpu_pct_of_a_core": {m: spread(v, 2) for m, v in cpu.items()},
         "sample_ms": {m: spread(v, 2) for m, v in sample_ms.items()},
         "canary_wall_s": spread(canary_s, 2) if canary_s else None,
         "target_ratio": TARGET,
-        "met": {m: statistics.median(v) >= TARGET for m, v in ratios.items()},
+        "met": {m: statistics.median(v) >= TARGET for m, v in balanced.items() if v},
         "rounds": a.rounds,
         "runs": a.runs,
         "tokens": a.tokens,
@@ -203,10 +233,10 @@ def main() -> int:
     if a.json:
         print(json.dumps(res, indent=2))
         return 0
-    print(f"{'mode':5} {'ratio watched/off, median (min-max)':38} {'serve CPU % of a core':24}"
-          " one reading, ms")  # fmt: skip
+    print(f"{'mode':5} {'ratio watched/off, order-balanced':34} {'every round':24} "
+          f"{'serve CPU % of a core':24} one reading, ms")  # fmt: skip
     for m in ("on", "busy"):
-        print(f"{m:5} {res['ratio_watched_vs_off'][m]:38} "
+        print(f"{m:5} {res['ratio_balanced'].get(m, '-'):34} {res['ratio_watched_vs_off'][m]:24} "
               f"{res['serve_cpu_pct_of_a_core'][m]:24} {res['sample_ms'][m]}")  # fmt: skip
     print(f"off   serve CPU % of a core {res['serve_cpu_pct_of_a_core']['off']}")
     print(f"decode tok/s: {res['decode_tok_s']}")
