@@ -25,8 +25,20 @@ from pathlib import Path
 
 import pytest
 
+from linkctl.gguf.tiny import TinySpec, write_tiny_llama
+from support.disagg_lab import (
+    DECODE,
+    ROUTE,
+    chat,
+    disagg_profile,
+    greedy,
+    ops,
+    route_stats,
+    serving,
+)
 from support.lab import LabHandle
 from support.llama_util import need_llama
+from support.route_client import prompt_of
 from support.serve_lab import Serve
 from support.watch_client import Client
 
@@ -54,8 +66,6 @@ def pair(tmp_path_factory):
     lab.up()
     procs: list = []
     try:
-        from linkctl.gguf.tiny import TinySpec, write_tiny_llama
-
         model = write_tiny_llama(tmp / "tiny.gguf", TinySpec(n_layer=4, n_embd=128, n_ff=256))
         for h in ("dgx", "mac"):
             assert lab.run(h, "setup").returncode == 0
@@ -362,3 +372,111 @@ def test_the_cable_deleted_and_restored(pair):
         assert pair["lab"].run(h, "setup").returncode == 0
     settled(pair, 60)
     pair["client"].no_hang()
+
+
+# ---- a restore that reuses nothing (route, serve.mode = "disaggregated") -----------------
+# llama-server's slot restore can report success and reuse nothing: for sliding-window,
+# recurrent and hybrid models a slot file carries no context checkpoint, and the next
+# request prefills the whole prompt again (llama.cpp #25913, #26676, #27813, #28194). A
+# tiny gemma2 (sliding-window attention) makes that happen for real with the llama.cpp
+# build pinned here: route reads the decode server's timings.cache_n, calls each such
+# request a fallback, counts them, and after three in a row stops transferring for the
+# model; every client gets the tokens the decode server alone gives, none hangs.
+
+
+def test_a_restore_that_reuses_nothing_is_caught_counted_and_stops_transfers(make_lab, tmp_path):
+    need_llama()
+    lab = make_lab("dgx-mac")
+    # A gemma2 with a 32-token window: llama.cpp b11434 restores its slot (n_restored is
+    # the whole prompt) and then prefills the prompt again, as for the models of the
+    # issues above.
+    spec = TinySpec(n_layer=6, n_embd=256, n_ff=512, n_ctx=4096, sliding_window=32)
+    path = write_tiny_llama(tmp_path / "swa.gguf", spec)["path"]
+    prof = disagg_profile(lab, tmp_path, path, threshold=64)
+
+    # Said before serving: by the estimate (its serving notes) and by doctor (a WARN).
+    what_if = ["--rtt-us", "100", "--throughput-gbps", "10", "--json"]
+    r = lab.run("mac", "estimate", "--profile", str(prof), "--model", path, *what_if)
+    assert r.returncode == 0, r.stderr
+    notes = json.loads(r.stdout)["serving"]["notes"]
+    assert any("gemma2 is a sliding-window model" in n for n in notes), notes
+
+    with serving(lab, prof, tmp_path) as (_, head):
+        r = lab.run("mac", "doctor", "--profile", str(prof), "--json")
+        lines = {ln["check"]: ln for ln in json.loads(r.stdout)["checks"]}
+        assert lines["slot restores"]["verdict"] == "WARN", lines["slot restores"]
+        assert "sliding-window" in lines["slot restores"]["detail"]
+        assert lines["servers match"]["verdict"] == "PASS", lines["servers match"]
+
+        prompts = [prompt_of(300, seed=s) for s in range(4)]
+        refs = ops(
+            lab,
+            *[
+                {"port": DECODE, "path": "/completion", "body": greedy(p, cache_prompt=False)}
+                for p in (prompts[0], prompts[1], prompts[3])
+            ],
+            {
+                "port": DECODE,
+                "path": "/v1/chat/completions",
+                "body": chat(prompts[2], cache_prompt=False),
+            },
+        )
+        ref0, ref1, ref3, ref_chat = refs
+        plain, streamed, chatted = ops(
+            lab,
+            {"port": ROUTE, "path": "/completion", "body": greedy(prompts[0])},
+            {
+                "port": ROUTE,
+                "path": "/completion",
+                "body": greedy(prompts[1], stream=True),
+                "stream": True,
+            },
+            {"port": ROUTE, "path": "/v1/chat/completions", "body": chat(prompts[2])},
+            timeout=300,
+        )
+        n_prompt = ref0["body"]["tokens_evaluated"]
+        # Moved, restored, reused nothing: a fallback, with the tokens of the decode
+        # server alone (it prefilled the prompt again).
+        h = plain["headers"]
+        assert plain["status"] == 200, plain
+        assert (h["x-linkctl-route"], h["x-linkctl-cache-n"]) == ("fallback", "0"), h
+        assert int(h["x-linkctl-transfer-bytes"]) > 0
+        assert plain["body"]["tokens"] == ref0["body"]["tokens"]
+        assert plain["body"]["timings"]["prompt_n"] == n_prompt
+        # A stream's headers went out before its timings: stats say what happened.
+        assert streamed["status"] == 200 and streamed["headers"]["x-linkctl-transfer-bytes"]
+        pieces = [e["content"] for e in streamed["events"] if not e.get("stop")]
+        assert "".join(pieces) == ref1["body"]["content"]
+        assert chatted["headers"]["x-linkctl-route"] == "fallback", chatted["headers"]
+        assert chatted["body"]["choices"] == ref_chat["body"]["choices"]
+
+        st = route_stats(lab)
+        model = st["served_model"]
+        assert model == path, st
+        assert st["restores"]["models"] == {
+            model: {"took": 0, "noops": 3, "in_a_row": 3, "stopped": True}
+        }
+        recent = {o["id"]: o for o in st["recent"]}
+        s = recent[streamed["headers"]["x-linkctl-request"]]
+        assert (s["route"], s["restore_took"], s["cache_n"]) == ("fallback", False, 0), s
+        assert s["reason"] == f"restore reused nothing (cache_n 0 of {n_prompt})"
+
+        # Three in a row: no more transfers for this model; the answer is the same.
+        (after,) = ops(lab, {"port": ROUTE, "path": "/completion", "body": greedy(prompts[3])})
+        assert after["headers"]["x-linkctl-route"] == "direct", after["headers"]
+        assert "x-linkctl-transfer-bytes" not in after["headers"]
+        assert after["body"]["tokens"] == ref3["body"]["tokens"]
+        why = route_stats(lab)["recent"][-1]["reason"]
+        assert why == f"restores did not take 3 times in a row for {model}: prefilling here"
+        assert all(o["total_s"] < 60 for o in (plain, streamed, chatted, after))
+        log = head.text()
+        assert log.count("did not take: restore reused nothing") == 3, log[-3000:]
+        assert "no more transfers for it" in log
+        # ... and `linkctl status` says so on the head.
+        r = lab.run("mac", "status", "--profile", str(prof), "--json")
+        route = json.loads(r.stdout)["serve"]["route"]
+        assert route["restores"][model] == {
+            "took": 0, "noops": 3, "in_a_row": 3, "stopped": True
+        }, route  # fmt: skip
+        r = lab.run("mac", "status", "--profile", str(prof))
+        assert "3 reused nothing (3 in a row); transfers stopped for it" in r.stdout, r.stdout
