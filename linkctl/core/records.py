@@ -1,13 +1,17 @@
 """The records one stage hands to the next, and the one place they are stored.
 
-Three records, each a pydantic model with a ``schema_version``:
+The records, each a pydantic model with a ``schema_version``:
 
 - ``ProbeRecord``  written by ``linkctl probe``: state_dir()/probe/<profile>--<host>--<peer>.json
   and, for the last peer probed, state_dir()/probe/latest.json;
 - ``CalibrationFile`` (one ``CalibrationRecord`` per host) written by ``linkctl calibrate``:
   state_dir()/calibration.json;
-- ``ServeStatus`` written by the supervisor of ``linkctl serve``: state_dir()/serve/<role>.json
-  (``RouteStatus`` for route, which has no supervisor of its own: serve/route.json).
+- ``ServeStatus`` written by the supervisor of ``linkctl serve``: state_dir()/serve/<role>.json,
+  with its ``WatchRecord`` (``RouteStatus`` for route, which has no supervisor of its own:
+  serve/route.json);
+- ``Fingerprint`` (verify's reference run, the canary's yardstick):
+  serve/fingerprint-<profile>-<key>.json, and ``CanaryRecord`` (the last canary):
+  serve/canary.json.
 
 Readers (estimate, serve, doctor, the demo) load them here and use attributes; a file
 that is not JSON, has another ``schema_version`` or the wrong shape is an InputError
