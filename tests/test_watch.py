@@ -117,6 +117,16 @@ def pair(tmp_path_factory):
         head.wait(lambda s: (s.get("watch") or {}).get("canary"), 60, "the first canary")
         client = Client(lab, tmp / "client.jsonl")
         procs.append(client)
+        # The rates' references are learned from the first intervals with traffic: every
+        # test, run alone or not, starts with them in place.
+        head.wait(
+            lambda s: (
+                {"decode_ref_tok_s", "prefill_ref_tok_s"}
+                <= set((s.get("watch") or {}).get("figures") or {})
+            ),
+            60,
+            "the decode and prefill references",
+        )
         yield {
             "lab": lab, "rpc": rpc, "head": head, "client": client, "control": control,
             "head_prof": head_prof, "tmp": tmp, "proxy": proxy,
@@ -232,9 +242,6 @@ def test_a_shaped_link_is_a_warn_and_the_split_keeps_serving(pair):
     from linkctl.lab.netns import load_lab, shape
 
     settled(pair)
-    pair["head"].wait(
-        lambda s: watch_of(s).get("figures", {}).get("prefill_ref_tok_s"), 30, "a reference"
-    )
     lab = load_lab(pair["lab"].name)
     st = fault(
         pair,
