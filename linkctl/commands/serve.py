@@ -106,6 +106,10 @@ def register(app: typer.Typer) -> None:
         answers. Both restart their server with backoff and forward SIGTERM/SIGINT.
         With --verify (or serve.verify = true) the head first proves with
         `linkctl verify` that the split computes what one machine computes.
+        While it serves, both hosts watch the link, the live RPC connection, rpc-server
+        and decode/prefill rates every serve.watch_interval_s, and the head repeats
+        verify's canary; a FAIL applies serve.on_fail (stop, fallback to the head
+        alone, keep). `linkctl status --watch` shows it.
         It writes its status to the state directory: once root's /var/lib/linkctl
         exists, run it with sudo (--dry-run reads only, as any user).
 
