@@ -186,17 +186,14 @@ def _canary(prof: Profile, model: str | None, json_: bool, profile_path: Path) -
     from linkctl.core.checks import Verdict
     from linkctl.core.records import canary_path, save_record
     from linkctl.llama.client import LlamaServer
-    from linkctl.serve.auth import read_api_keys
+    from linkctl.serve.auth import own_headers
     from linkctl.serve.canary import fingerprint_for, run_canary
 
     s = prof.serve
     target = model or s.model
     fp = fingerprint_for(prof.name, target)
-    keys = read_api_keys(s.api_key_file) if s.api_key_file else []
     host = "127.0.0.1" if s.host.is_unspecified else str(s.host)
-    server = LlamaServer(
-        host, s.port, headers={"Authorization": f"Bearer {keys[0]}"} if keys else {}, timeout=60
-    )
+    server = LlamaServer(host, s.port, headers=own_headers(prof), timeout=60)
     res = run_canary(server, fp, s.canary_tokens, "demand")
     saved = save_record(res, canary_path())
     if json_:

@@ -101,6 +101,14 @@ def read_api_keys(path: str, root: Path = Path("/")) -> list[str]:
     return keys
 
 
+def own_headers(profile: Profile) -> dict[str, str]:
+    """What linkctl's own requests to the head's llama-server send (the watch, the
+    canary): the first key of serve.api_key_file, or nothing when there is none."""
+    f = profile.serve.api_key_file
+    keys = read_api_keys(f) if f else []
+    return {"Authorization": f"Bearer {keys[0]}"} if keys else {}
+
+
 def serve_auth(profile: Profile, root: Path = Path("/")) -> ServeAuth:
     """How the head's llama-server is protected; InputError when it would listen beyond
     loopback and the link with neither an API key file nor an explicit opt-out.

@@ -209,7 +209,7 @@ class HeadGuard:
         publish: Callable[[WatchRecord], None],
     ):
         s = profile.serve
-        self.profile, self.cfg, self.say = profile, cfg, say
+        self.cfg, self.say = cfg, say
         self.hold_s = s.fallback_hold_s
         self.server = server
         self.endpoints_answer = split_ready

@@ -303,16 +303,13 @@ def _run_head_watched(
 ) -> int:
     """llama-server under the watch and serve.on_fail (linkctl.serve.guard)."""
     from linkctl.core.records import status_path
-    from linkctl.serve.auth import read_api_keys
+    from linkctl.serve.auth import own_headers
     from linkctl.serve.canary import fingerprint_for
     from linkctl.serve.guard import HeadGuard, fallback_invocation, publisher, watch_config
     from linkctl.serve.sampling import Sampler
 
     split_inv = plan.head.changed(metrics=True)
-    keys = read_api_keys(profile.serve.api_key_file) if profile.serve.api_key_file else []
-    server = LlamaServer.serving(
-        split_inv, headers={"Authorization": f"Bearer {keys[0]}"} if keys else {}, timeout=60
-    )
+    server = LlamaServer.serving(split_inv, headers=own_headers(profile), timeout=60)
     try:
         fingerprint = fingerprint_for(profile.name, split_inv.model)
     except InputError as e:
@@ -332,6 +329,7 @@ def _run_head_watched(
         peers=[h.ip for h in profile.rpc_hosts],
         ends=plan.endpoints,
         server=server,
+        metrics_timeout_s=min(2.0, cfg.interval_s / 2),
     )
     holder: list[Supervisor] = []
     labels = (profile.name, profile.head.name, "head")

@@ -5,9 +5,10 @@ supervised process itself. Each source that fails says so in the reading; none r
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from linkctl.core.errors import InputError
@@ -53,7 +54,10 @@ class Sampler:
     server: LlamaServer | None = None  # the head's llama-server (--metrics)
     child: Callable[[], int | None] | None = None  # rpc host: rpc-server's pid
     expect_connected: Callable[[], bool] = lambda: True
-    errors: dict[str, str] = field(default_factory=dict)
+    # /metrics goes through llama-server's main loop: a stuck loop answers nothing, and
+    # waiting longer than half an interval would hold the reading (and the carrier's
+    # verdict with it) past the interval.
+    metrics_timeout_s: float = 2.0
 
     def __call__(self, idle: bool) -> Reading:
         r = Reading(mono=time.monotonic(), carrier=False)
@@ -65,10 +69,8 @@ class Sampler:
                 r.link_error = f"{self.interface} is down"
         except InputError as e:  # the interface is gone (a deleted veth, a USB NIC pulled)
             r.link_error = e.message
-        try:
+        with contextlib.suppress(OSError):  # no sock_diag here: the other sources still read
             r.conns = self.backend.tcp_connections(self.ends)
-        except OSError as e:
-            self.errors["tcp"] = str(e)
         if self.server is not None and self.expect_connected():
             have = {c.remote for c in r.conns}
             r.missing = [e for e in self.ends if e not in have]
@@ -76,14 +78,13 @@ class Sampler:
             r.process = process_problem(self.child(), "rpc-server")
         if self.server is not None:
             try:
-                m = self.server.metrics()
+                m = self.server.metrics(timeout=self.metrics_timeout_s)
                 r.busy = int(m.get("requests_processing", 0))
                 r.tokens = m.get("tokens_predicted_total")
                 r.token_s = m.get("tokens_predicted_seconds_total")
                 r.prompt_tokens = m.get("prompt_tokens_total")
                 r.prompt_s = m.get("prompt_seconds_total")
-            except UpstreamError as e:
-                self.errors["metrics"] = e.message
+            except UpstreamError as e:  # restarting, or stuck: only the latter says much
                 r.loop_stuck = isinstance(e, UpstreamTimeout)
         if idle and r.carrier:
             self._ping(r)
