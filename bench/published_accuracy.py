@@ -26,13 +26,31 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from linkctl.estimate.catalog import load_spec
-from linkctl.estimate.devicefit import fit_units, loo_fit, predict_us
+from linkctl.estimate.devicefit import fit_units, predict_us
+from linkctl.estimate.holdout import (
+    HELD_OUT_SHARE,
+    Judged,
+    held_out_sources,
+    leave_one_out,
+    leave_one_source_out,
+    residuals,
+    source_held_out,
+)
 from linkctl.estimate.published import load_rows, row_model, row_time_us
+from linkctl.estimate.ranges import COVERAGE, LOO_MIN_LEFT, Residual, error_range
 
 TARGET = {"decode": 0.15, "prefill": 0.25}
-# Leave-one-out needs at least this many other rows of the row's kind on its device:
-# with fewer, the refit is the family's assumption, not a test of the model.
-LOO_MIN_LEFT = 2
+COVERAGE_TARGET = COVERAGE
+
+
+def interval_without(res: list[Residual], j: Judged, families: dict[str, str]):
+    """The interval `estimate` would print for the row had the row never been published:
+    its leave-one-out prediction, widened by the residuals of every other row (its own
+    source's new-table residuals left out too: they predicted the same rows)."""
+    r = j.row
+    others = [o for o in res if o.row != r.index and not (o.new_table and o.source == r.source)]
+    rng = error_range(others, families, j.row.device, j.row.kind, j.testable)
+    return rng, rng.tok_s(j.tok_s)
 
 
 def main() -> int:
@@ -45,7 +63,12 @@ def main() -> int:
     a = ap.parse_args()
     rows = load_rows()
     spec = load_spec()
+    families = {k: str(v["family"]) for k, v in spec.items()}
     fits = fit_units(rows, spec)
+    judged = {j.row.index: j for j in leave_one_out(rows, spec)}
+    res = residuals(list(judged.values()), leave_one_source_out(rows, spec))
+    held = held_out_sources(rows)
+    held_judged = {j.row.index: j for j in source_held_out(rows, spec, held)}
     out = []
     for r in rows:
         if a.device and r.device != a.device:
@@ -64,6 +87,7 @@ def main() -> int:
             "read": r.read,
             "size_gib_published": r.size_gib,
             "size_gib_shape": row_model(r).total_bytes / 1024**3,
+            "source_held_out": r.source in held,
         }
         if r.exclude:
             d["excluded"] = r.exclude
@@ -71,22 +95,30 @@ def main() -> int:
             continue
         t = row_time_us(r)
         ins = r.tok_s * t / predict_us(fits[(r.device, r.group)], r)
-        lf = loo_fit(rows, r, spec)
-        loo = r.tok_s * t / predict_us(lf, r)
-        lost = sorted(k for k, v in lf.notes.items() if v != fits[(r.device, r.group)].notes.get(k))
-        left = lf.n_decode if r.kind == "decode" else lf.n_prefill
-        testable = left >= LOO_MIN_LEFT
+        j = judged[r.index]
+        rng, (lo, hi) = interval_without(res, j, families)
         d |= {
             "in_sample_tok_s": ins,
             "in_sample_err": ins / r.tok_s - 1,
-            "loo_tok_s": loo,
-            "loo_err": loo / r.tok_s - 1,
-            "loo_testable": testable,
-            "loo_within_target": testable and abs(loo / r.tok_s - 1) <= TARGET[r.kind],
-            "loo_rows_left_for_device": lf.n_decode + lf.n_prefill,
-            "loo_rows_left_same_kind": left,
-            "loo_terms_assumed": lost,
+            "loo_tok_s": j.tok_s,
+            "loo_err": j.err,
+            "loo_testable": j.testable,
+            "loo_within_target": j.testable and abs(j.err) <= TARGET[r.kind],
+            "loo_rows_left_for_device": j.left_total,
+            "loo_rows_left_same_kind": j.left_same_kind,
+            "loo_terms_assumed": j.assumed,
+            "interval_tok_s": [lo, hi],
+            "interval_pool": rng.pool,
+            "interval_covers": lo <= r.tok_s <= hi,
         }
+        h = held_judged.get(r.index)
+        if h is not None:
+            d |= {
+                "held_out_tok_s": h.tok_s,
+                "held_out_err": h.err,
+                "held_out_testable": h.testable,
+                "held_out_within_target": h.testable and abs(h.err) <= TARGET[r.kind],
+            }
         out.append(d)
     scored = [d for d in out if "loo_err" in d]
     summary = {}
@@ -104,6 +136,20 @@ def main() -> int:
             "loo_within_target": sum(d["loo_within_target"] for d in ks),
             "loo_testable": sum(d["loo_testable"] for d in ks),
             "in_sample_within_target": sum(abs(d["in_sample_err"]) <= TARGET[kind] for d in ks),
+            "interval_covers": sum(d["interval_covers"] for d in ks),
+            "coverage": sum(d["interval_covers"] for d in ks) / len(ks),
+            "coverage_target": COVERAGE_TARGET,
+        }
+        hs = [d for d in ks if "held_out_err" in d]
+        ht = [d for d in hs if d["held_out_testable"]]
+        summary[kind] |= {
+            "held_out_rows": len(hs),
+            "held_out_testable": len(ht),
+            "held_out_within_target": sum(d["held_out_within_target"] for d in hs),
+            "held_out_max_abs_err": max((abs(d["held_out_err"]) for d in ht), default=None),
+            "held_out_median_abs_err": (
+                sorted(abs(d["held_out_err"]) for d in ht)[len(ht) // 2] if ht else None
+            ),
         }
     if a.json:
         print(json.dumps({"rows": out, "summary": summary}, indent=2))
@@ -136,6 +182,39 @@ def main() -> int:
             f"testable LOO ({s['rows'] - s['loo_testable']} not testable), "
             f"{s['in_sample_within_target']}/{s['rows']} in-sample"
         )
+        print(
+            f"{'':8} interval (the {COVERAGE:.0%} conformal |err| of the residuals, built "
+            f"without the row) covers the published figure for {s['interval_covers']}/"
+            f"{s['rows']} ({s['coverage']:.0%}; target {COVERAGE_TARGET:.0%})"
+        )
+        if s["held_out_testable"]:
+            print(
+                f"{'':8} source-held-out: {s['held_out_within_target']}/{s['held_out_testable']}"
+                f" testable within +-{s['target']:.0%} (max |err| {s['held_out_max_abs_err']:.1%},"
+                f" median {s['held_out_median_abs_err']:.1%}); "
+                f"{s['held_out_rows'] - s['held_out_testable']} not testable"
+            )
+    print(f"\nsources held out before fitting ({HELD_OUT_SHARE:.0%} of the rows, by a hash of "
+          "the source id; the catalog fitted on the rest):")  # fmt: skip
+    for src in sorted(held):
+        hd = [d for d in scored if d["source"] == src and "held_out_err" in d]
+        tst = [d for d in hd if d["held_out_testable"]]
+        errs = ", ".join(f"{d['held_out_err']:+.0%}" for d in tst[:12])
+        print(f"  {src}: {len(hd)} rows, {len(tst)} testable" + (f": {errs}" if errs else ""))
+    missed = [d for d in scored if d.get("held_out_testable") and not d["held_out_within_target"]]
+    if missed:
+        print("\nrows outside the target source-held-out:")
+        for d in missed:
+            print(f"  {d['row']}: {d['held_out_err']:+.1%} ({d['source']})")
+    uncovered = [d for d in scored if not d["interval_covers"]]
+    if uncovered:
+        print("\nrows the interval misses (published outside low-high):")
+        for d in uncovered:
+            lo, hi = d["interval_tok_s"]
+            print(
+                f"  {d['row']}: published {d['published_tok_s']:.1f}, interval {lo:.1f}-{hi:.1f}"
+                f" ({d['interval_pool']}; LOO err {d['loo_err']:+.1%})"
+            )
     untestable = [d for d in scored if not d["loo_testable"]]
     if untestable:
         print(

@@ -6,7 +6,9 @@ device specs in linkctl/data/devices.toml, fits each device's terms
 (linkctl/estimate/devicefit.py: non-negative least squares on relative error, through the
 estimator's own feature code) and writes linkctl/data/devices_fit.toml, which
 `linkctl estimate` loads. Terms a device's rows do not pin are borrowed from its
-family's anchor device and marked "assumed" in that file.
+family's anchor device and marked "assumed" in that file. Each device's `range` is
+the interval `estimate` prints around its figures, from the leave-one-out residuals
+(linkctl/estimate/ranges.py).
 
     .venv/bin/python scripts/fit_devices.py            # rewrite devices_fit.toml
     .venv/bin/python scripts/fit_devices.py --check    # exit 1 if it is out of date
@@ -23,6 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from linkctl.estimate.catalog import fit_path, load_spec
 from linkctl.estimate.devicefit import fit_all, render_fit_toml, terms
+from linkctl.estimate.holdout import (
+    catalog_ranges,
+    leave_one_out,
+    leave_one_source_out,
+    residuals,
+)
 from linkctl.estimate.published import load_rows
 
 
@@ -34,8 +42,12 @@ def main() -> int:
     ap.add_argument("--print", dest="show", action="store_true", help="print the terms only")
     a = ap.parse_args()
     rows = load_rows(a.data)
-    fits = fit_all(rows, load_spec())
-    text = render_fit_toml(fits, rows)
+    spec = load_spec()
+    fits = fit_all(rows, spec)
+    # Each row refitted without it, and each source (about 30 s): the ranges' residuals.
+    res = residuals(leave_one_out(rows, spec), leave_one_source_out(rows, spec))
+    ranges = catalog_ranges(rows, spec, res)
+    text = render_fit_toml(fits, rows, ranges)
     out = a.out or fit_path()
     if a.show:
         for key, f in fits.items():

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from linkctl.core.errors import InputError
+from linkctl.estimate.ranges import KINDS, NONE, ErrorRange
 
 if TYPE_CHECKING:
     from linkctl.core.records import CalibrationRecord
@@ -86,12 +87,18 @@ class Device:
     prefill: PrefillTerms
     sources: dict[str, str] = field(default_factory=dict)
     fit: dict[str, str] = field(default_factory=dict)  # term -> "fitted ..." / "assumed ..."
+    # How far the fit's figures were from rows it did not see (linkctl.estimate.ranges),
+    # by kind ("decode", "prefill").
+    ranges: dict[str, ErrorRange] = field(default_factory=dict)
     # Measured by `linkctl calibrate` (None: catalog figures are used).
     calibration: CalibrationRecord | None = None
 
     @property
     def calibrated(self) -> bool:
         return bool(self.calibration)
+
+    def error_range(self, kind: str) -> ErrorRange:
+        return self.ranges.get(kind, NONE)
 
     @property
     def figures_source(self) -> str:
@@ -172,6 +179,7 @@ def load_catalog(path: Path | None = None, fit: Path | None = None) -> dict[str,
         dec, pre = prior_terms(d)
         f = fitted.get(key) or {}
         notes = {"summary": "catalog spec x prior efficiency (no fitted terms)"}
+        ranges: dict[str, ErrorRange] = {}
         if f:
             try:
                 dec = DecodeTerms(**{k: float(f["decode"][k]) for k in DECODE_FIELDS})
@@ -183,6 +191,7 @@ def load_catalog(path: Path | None = None, fit: Path | None = None) -> dict[str,
                 ) from None
             notes = {str(k): str(v) for k, v in (f.get("notes") or {}).items()}
             notes["summary"] = str(f.get("summary", "fitted"))
+            ranges = _ranges(f.get("range") or {}, fpath, key)
         figures: dict[str, Any] = {x: float(d[x]) for x in _FIELDS}
         out[key] = Device(
             key=key,
@@ -194,7 +203,24 @@ def load_catalog(path: Path | None = None, fit: Path | None = None) -> dict[str,
             prefill=pre,
             sources={x: d[f"{x}_source"] for x in _FIELDS},
             fit=notes,
+            ranges=ranges,
         )
+    return out
+
+
+def _ranges(table: dict[str, Any], fpath: Path, key: str) -> dict[str, ErrorRange]:
+    out = {}
+    for kind in KINDS:
+        r = table.get(kind)
+        if r is None:
+            continue
+        try:
+            out[kind] = ErrorRange(float(r["err"]), int(r["n"]), str(r["pool"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise InputError(
+                f"fitted device terms {fpath}: [{key}.range].{kind} is incomplete ({e})",
+                "re-run scripts/fit_devices.py",
+            ) from None
     return out
 
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import asdict, dataclass, field
-from enum import StrEnum
 from typing import Any, Literal
 
 from linkctl.core.errors import InputError
+from linkctl.estimate.advice import Advice, Recommendation, advise
 from linkctl.estimate.catalog import Device
 from linkctl.estimate.features import (
     D_BLOCK,
@@ -31,6 +31,7 @@ from linkctl.estimate.features import (
 )
 from linkctl.estimate.layers import llama_slot_devices, slots_from_counts, split_devices
 from linkctl.estimate.notes import Note, NoteKind, texts
+from linkctl.estimate.ranges import KINDS, ErrorRange, widened
 from linkctl.gguf.info import ModelInfo
 
 GIB = 1024**3
@@ -98,6 +99,8 @@ class DeviceLoad:
     figures_source: str
     layer_fixed_us: float = 0.0  # the per-block fixed costs inside compute_us
     weights_us: float = 0.0  # the weight reads inside compute_us
+    # The catalog range each kind of figure is widened by on this device, and its pool.
+    ranges: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -119,51 +122,16 @@ class Scenario:
     depth: int = 0  # context position decode_tok_s is predicted at
     decode_tok_s_depth0: float = 0.0  # an empty context (llama-bench tg)
     decode_tok_s_full_ctx: float = 0.0  # the last token of a full --ctx
+    # The interval around decode_tok_s and prefill_tok_s: each device's time widened by
+    # its catalog range (linkctl.estimate.ranges), the link's time as predicted.
+    decode_tok_s_low: float = 0.0
+    decode_tok_s_high: float = 0.0
+    prefill_tok_s_low: float = 0.0
+    prefill_tok_s_high: float = 0.0
 
     @property
     def dominant(self) -> str:
         return max(self.terms_us, key=lambda k: self.terms_us[k]) if self.terms_us else "-"
-
-
-class Recommendation(StrEnum):
-    """What the model advises; the values are `estimate --json`'s "recommendation"."""
-
-    SPLIT_NEEDED = "split needed"
-    SPLIT_FASTER = "split faster"
-    RUN_LOCALLY = "run locally"
-
-
-class Because(StrEnum):
-    """Why: which comparison decided the recommendation."""
-
-    NO_RPC_HOST = "no_rpc_host"
-    HEAD_TOO_SMALL = "head_too_small"
-    SPLIT_FASTER = "split_faster"  # the best split decodes >= 5 % faster than local
-    LOCAL_NOT_SLOWER = "local_not_slower"
-
-
-# The best split must beat local decode by this factor to be advised: within 5 % the
-# prediction's own error decides, and local has no link to fail.
-SPLIT_MARGIN = 0.95
-
-
-@dataclass(frozen=True)
-class Advice:
-    """The recommendation with the figures that decided it; the sentence is made from
-    it by linkctl.estimate.report.reason."""
-
-    recommendation: Recommendation
-    because: Because
-    need_bytes: int  # the model (weights + KV cache at ctx) on one device
-    head_free_bytes: float  # the head's free memory (fractional: GiB x usable share)
-    local_decode_tok_s: float
-    split_decode_tok_s: float | None  # the recommended split; None without RPC hosts
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self) | {
-            "recommendation": self.recommendation.value,
-            "because": self.because.value,
-        }
 
 
 @dataclass
@@ -182,6 +150,9 @@ class Estimate:
     link_equiv_layers: float
     per_layer_derivation: str
     warnings: list[Note]
+    # recommended / local decode tok/s, with its low and high (gain_range); None without
+    # a recommended split.
+    split_gain: tuple[float, float, float] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         def sc(s: Scenario | None):
@@ -211,32 +182,16 @@ class Estimate:
             "link_equiv_layers": self.link_equiv_layers,
             "per_layer_derivation": self.per_layer_derivation,
             "warnings": texts(self.warnings),
+            "split_gain": (
+                dict(zip(("value", "low", "high"), self.split_gain, strict=True))
+                if self.split_gain
+                else None
+            ),
         }
 
     @property
     def recommendation(self) -> Recommendation:
         return self.advice.recommendation
-
-
-def _advice(
-    local: Scenario, recommended: Scenario | None, need_bytes: int, head_free: float
-) -> Advice:
-    if recommended is None:
-        rec, why = Recommendation.RUN_LOCALLY, Because.NO_RPC_HOST
-    elif not local.fits:
-        rec, why = Recommendation.SPLIT_NEEDED, Because.HEAD_TOO_SMALL
-    elif recommended.decode_us < local.decode_us * SPLIT_MARGIN:
-        rec, why = Recommendation.SPLIT_FASTER, Because.SPLIT_FASTER
-    else:
-        rec, why = Recommendation.RUN_LOCALLY, Because.LOCAL_NOT_SLOWER
-    return Advice(
-        rec,
-        why,
-        need_bytes,
-        head_free,
-        local.decode_tok_s,
-        recommended.decode_tok_s if recommended else None,
-    )
 
 
 def _kv_alloc(model: ModelInfo, layers: list[int], ctx: int) -> int:
@@ -289,6 +244,7 @@ def _device_load(
         figures_source=p.device.figures_source,
         layer_fixed_us=fixed,
         weights_us=w_us,
+        ranges={k: p.device.error_range(k).as_dict() for k in KINDS},
     )
 
 
@@ -299,16 +255,18 @@ def _prefill_tok_s(
     link: LinkFigures | None,
     n_prompt: int,
     ubatch: int = DEFAULT_UBATCH,
-) -> float:
+) -> tuple[float, float, float]:
+    """(tok/s, low, high) of an ``n_prompt``-token prompt."""
     n_batches = max(1, -(-n_prompt // ubatch))
     t_us = 0.0
+    devices: list[tuple[float, ErrorRange]] = []
     for d in loads:
         if not d.slots:
             continue
         p = parts[d.host]
         skip = skips_masked_kv(p.device.family)
         feats = prefill_features(model, d.layers, d.holds_output, n_prompt, 0, ubatch, skip)
-        t_us += prefill_us(p.device, feats)
+        devices.append((prefill_us(p.device, feats), p.device.error_range("prefill")))
         if p.role == "rpc" and link is not None:
             for b in range(n_batches):
                 tokens = min(ubatch, n_prompt - b * ubatch)
@@ -318,7 +276,7 @@ def _prefill_tok_s(
                 cross = model.embedding_length * 4 * tokens + out
                 t_us += link.rtt_us + cross * 8 / (link.throughput_gbps * 1e9) * 1e6
                 t_us += p.rpc_overhead_us
-    return n_prompt / (t_us / 1e6) if t_us > 0 else 0.0
+    return widened(devices, t_us, n_prompt * 1e6)
 
 
 def scenario(
@@ -410,6 +368,15 @@ def scenario(
                 t += c * kv - d.kv_read_us
         return 1e6 / t if t > 0 else 0.0
 
+    dec = widened(
+        [
+            (d.compute_us + d.kv_read_us, by_host[d.host].device.error_range("decode"))
+            for d in loads
+        ],
+        network,
+        1e6,
+    )
+    pre = _prefill_tok_s(model, loads, by_host, link, n_prompt)
     return Scenario(
         name=name,
         tensor_split=counts,
@@ -417,7 +384,7 @@ def scenario(
         fits=all(d.fits for d in loads),
         decode_us=decode_us,
         decode_tok_s=1e6 / decode_us if decode_us > 0 else 0.0,
-        prefill_tok_s=_prefill_tok_s(model, loads, by_host, link, n_prompt),
+        prefill_tok_s=pre[0],
         network_us=network,
         network_rtt_us=rtt_us,
         network_transfer_us=transfer_us,
@@ -428,7 +395,33 @@ def scenario(
         depth=depth,
         decode_tok_s_depth0=at(0),
         decode_tok_s_full_ctx=at(ctx),
+        decode_tok_s_low=dec[1],
+        decode_tok_s_high=dec[2],
+        prefill_tok_s_low=pre[1],
+        prefill_tok_s_high=pre[2],
     )
+
+
+def gain_range(
+    local: Scenario, split: Scenario, parts: list[Participant]
+) -> tuple[float, float, float]:
+    """split / local decode tok/s, with its least and greatest value over every corner
+    of the hosts' decode ranges: a host's device is off by the same factor in both
+    (one device, one error), which cancels much of it from the ratio."""
+    err = {p.host: p.device.error_range("decode").err for p in parts}
+    hosts = sorted({d.host for d in (*local.devices, *split.devices)})
+
+    def time(sc: Scenario, k: dict[str, int]) -> float:
+        t = sum((d.compute_us + d.kv_read_us) * (1 + k[d.host] * err[d.host]) for d in sc.devices)
+        return t + sc.network_us
+
+    gains = [
+        time(local, k) / time(split, k)
+        for k in (
+            dict(zip(hosts, c, strict=True)) for c in itertools.product((-1, 1), repeat=len(hosts))
+        )
+    ]
+    return local.decode_us / split.decode_us, min(gains), max(gains)
 
 
 def _compositions(total: int, parts: int):
@@ -544,7 +537,13 @@ def estimate(
             "use a smaller quantization, a smaller --ctx, or add a device",
         )
 
-    advice = _advice(local, recommended, total_need, head.free_bytes)
+    advice = advise(
+        local.fits,
+        (local.decode_us, local.decode_tok_s),
+        (recommended.decode_us, recommended.decode_tok_s) if recommended else None,
+        total_need,
+        head.free_bytes,
+    )
     ref = split or local
     per_layer = ref.network_us / n_layer if ref.network_us else 0.0
     busiest = max(ref.devices, key=lambda d: len(d.layers))
@@ -581,4 +580,5 @@ def estimate(
         link_equiv_layers=equiv,
         per_layer_derivation=derivation,
         warnings=warnings,
+        split_gain=gain_range(local, recommended, parts) if recommended else None,
     )

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from linkctl.core.output import console
-from linkctl.estimate.cost import GIB, Advice, Because, Estimate
+from linkctl.estimate.advice import Advice, Because
+from linkctl.estimate.cost import GIB, Estimate
 from linkctl.estimate.notes import NoteKind
 from linkctl.estimate.ttft import DisaggEstimate
 
@@ -70,7 +71,9 @@ def render(est: Estimate) -> None:
         f"{_gib(local.devices[0].free_bytes)})"
     )
     console.print()
-    console.print(f"{'':22}{'decode tok/s':>14}{'prefill tok/s':>15}  split (layers+output)")
+    console.print(
+        f"{'':22}{'decode tok/s (range)':>24}{'prefill tok/s (range)':>26}  split (layers+output)"
+    )
     rows = [("local only", local)]
     if est.split:
         rows.append(("split (llama.cpp)", est.split))
@@ -79,11 +82,20 @@ def render(est: Estimate) -> None:
     for label, sc in rows:
         note = "" if sc.fits else "  [red]does not fit[/]"
         split = ",".join(map(str, sc.tensor_split)) if sc.name != "local" else "-"
-        console.print(f"{label:22}{sc.decode_tok_s:>14.1f}{sc.prefill_tok_s:>15.0f}  {split}{note}")
+        dec = _ranged(sc.decode_tok_s, sc.decode_tok_s_low, sc.decode_tok_s_high, 1)
+        pre = _ranged(sc.prefill_tok_s, sc.prefill_tok_s_low, sc.prefill_tok_s_high, 0)
+        console.print(f"{label:22}{dec:>24}{pre:>26}  {split}{note}")
     console.print(
         f"[dim]decode at context position {est.depth} (--depth; default: right after the "
         f"--prompt); prefill of the --prompt tokens[/]"
     )
+    console.print(
+        "[dim](range): each device's time widened by how far the catalog was from published "
+        f"figures it had not seen, four in five inside: {_range_basis(est)}[/]"
+    )
+    if est.split_gain:
+        g, lo, hi = est.split_gain
+        console.print(f"split gain (recommended / local decode): {g:.2f}x ({lo:.2f}-{hi:.2f})")
     full = f"at {est.ctx} (full)"
     console.print(f"{'decode tok/s by depth':22}{'at 0':>14}{full:>18}")
     for label, sc in rows:
@@ -120,6 +132,22 @@ def render(est: Estimate) -> None:
         console.print(f"[yellow]note:[/] {w.text}")
 
 
+def _ranged(v: float, lo: float, hi: float, digits: int) -> str:
+    return f"{v:.{digits}f} ({lo:.{digits}f}-{hi:.{digits}f})"
+
+
+def _range_basis(est: Estimate) -> str:
+    """Whose residuals each device's range comes from (linkctl.estimate.ranges)."""
+    sc = est.recommended or est.split or est.local
+    assert sc is not None
+    return "; ".join(
+        f"{d.host} {kind} ±{g['err']:.0%} ({g['pool']}, {g['n']} rows)"
+        for d in sc.devices
+        if d.slots
+        for kind, g in d.ranges.items()
+    )
+
+
 def render_serving(de: DisaggEstimate) -> None:
     console.print(
         f"\nServing one request: {de.prompt_tokens} prompt tokens, {de.output_tokens} output "
@@ -127,14 +155,15 @@ def render_serving(de: DisaggEstimate) -> None:
         markup=False,
     )
     console.print(
-        f"  {'plan':14s} {'TTFT s':>9s} {'total s':>9s} {'prefill s':>9s} {'KV move s':>9s} "
-        f"{'decode tok/s':>12s}",
+        f"  {'plan':14s} {'TTFT s (range)':>23s} {'total s':>9s} {'prefill s':>9s} "
+        f"{'KV move s':>9s} {'decode tok/s':>12s}",
         markup=False,
     )
     for p in de.plans:
         flag = "" if p.fits else "  (does not fit)"
         console.print(
-            f"  {p.name:14s} {p.ttft_s:9.3f} {p.total_s:9.3f} {p.prefill_s:9.3f} "
+            f"  {p.name:14s} {_ranged(p.ttft_s, p.ttft_s_low, p.ttft_s_high, 3):>23s} "
+            f"{p.total_s:9.3f} {p.prefill_s:9.3f} "
             f"{p.transfer_s:9.3f} {p.decode_tok_s:12.1f}{flag}",
             markup=False,
         )

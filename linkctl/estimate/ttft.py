@@ -106,6 +106,10 @@ class PlanTime:
     kv_bytes: int = 0
     fits: bool = True
     terms_s: dict[str, float] = field(default_factory=dict)
+    # ttft_s's interval: the prefill and first-token times at the ends of their ranges
+    # (linkctl.estimate.ranges), the KV move as predicted.
+    ttft_s_low: float = 0.0
+    ttft_s_high: float = 0.0
 
 
 @dataclass
@@ -129,6 +133,15 @@ def _prefill_s(sc, n: int) -> float:
     """Prefill time of n tokens; never less than one decode step: a forward pass reads
     every weight at least once, however few the tokens."""
     return max(n / sc.prefill_tok_s, sc.decode_us / 1e6)
+
+
+def _first_token_span(sc, n: int) -> tuple[float, float]:
+    """(short, long) prefill + first-token time of an n-token prompt: the scenario's
+    rates at the high and the low end of their ranges."""
+    return (
+        max(n / sc.prefill_tok_s_high, 1 / sc.decode_tok_s_high) + 1 / sc.decode_tok_s_high,
+        max(n / sc.prefill_tok_s_low, 1 / sc.decode_tok_s_low) + 1 / sc.decode_tok_s_low,
+    )
 
 
 def _alone(model, p, ctx: int, ngl: int, n_prompt: int):
@@ -177,6 +190,7 @@ def predict(
             continue
         prefill = _prefill_s(sc, n_prompt)
         tok = sc.decode_us / 1e6
+        short, long = _first_token_span(sc, n_prompt)
         plans.append(
             PlanTime(
                 name,
@@ -186,6 +200,8 @@ def predict(
                 sc.decode_tok_s,
                 fits=sc.fits,
                 terms_s={"prefill": prefill, "first token": tok, "decode": (n_out - 1) * tok},
+                ttft_s_low=short,
+                ttft_s_high=long,
             )
         )
     assert est.local is not None
@@ -207,6 +223,10 @@ def predict(
         prefill = _prefill_s(alone, n_prompt)
         tok = est.local.decode_us / 1e6
         transfer = wire + io + DISAGG_FIXED_S
+        pre_short, pre_long = _first_token_span(alone, n_prompt)
+        # The first token is the head's: its own decode step, not the prefill host's.
+        own_tok = 1 / alone.decode_tok_s_high, 1 / alone.decode_tok_s_low
+        head_tok = 1 / est.local.decode_tok_s_high, 1 / est.local.decode_tok_s_low
         plans.append(
             PlanTime(
                 "disaggregated",
@@ -224,6 +244,8 @@ def predict(
                     "first token": tok,
                     "decode": (n_out - 1) * tok,
                 },
+                ttft_s_low=pre_short - own_tok[0] + transfer + head_tok[0],
+                ttft_s_high=pre_long - own_tok[1] + transfer + head_tok[1],
             )
         )
     fitting = [p for p in plans if p.fits] or plans

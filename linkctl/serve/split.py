@@ -138,7 +138,7 @@ def choose_split(
         choice.tensor_split = [float(c) for c in sc.tensor_split]
         choice.order = order
         choice.recommendation = est.recommendation.value
-        from linkctl.estimate.cost import Recommendation
+        from linkctl.estimate.advice import Recommendation
 
         if est.recommendation is Recommendation.RUN_LOCALLY:
             from linkctl.estimate.report import reason

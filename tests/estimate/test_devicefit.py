@@ -75,7 +75,7 @@ def test_devices_without_rows_are_marked_assumed():
     assert cat["h200"].fit["summary"].startswith("assumed")
     assert "assumed" in cat["h200"].fit["decode"]
     assert cat["gb10"].fit["summary"].startswith("fitted")
-    text = render_fit_toml(fit_all(load_rows(), load_spec()), load_rows())
+    text = render_fit_toml(fit_all(load_rows(), load_spec()), load_rows(), {})
     assert "[h200.notes]" in text and "[gb10.notes]" in text  # gb10: no F16 rows
 
 

@@ -7,12 +7,12 @@ import json
 import pytest
 
 from linkctl.core.errors import InputError
+from linkctl.estimate.advice import Because
 from linkctl.estimate.catalog import load_catalog
 from linkctl.estimate.cost import (
     GIB,
     RPC_ROUND_TRIPS_PER_TOKEN,
     RPC_TOKEN_EXTRA_BYTES,
-    Because,
     LinkFigures,
     Participant,
     estimate,
@@ -241,14 +241,6 @@ def test_catalog_has_required_devices_with_sources():
 
 
 # -- the CLI ------------------------------------------------------------------------
-
-
-@pytest.fixture
-def env(tmp_path):
-    import os
-
-    e = dict(os.environ, LINKCTL_STATE_DIR=str(tmp_path / "state"))
-    return e
 
 
 def test_cli_json_and_text(tmp_path, env):
