@@ -3,10 +3,21 @@
 Listens on ADDR:PORT and forwards every connection to TARGET:PORT, holding each
 chunk it reads for a fixed one-way delay in each direction before writing it
 on. Each direction has its own FIFO queue of (release time, bytes): order is
-kept, every chunk keeps its own timestamp (chunks are never merged into one
-late write), and a writer thread sleeps until each release time
-(time.sleep, sub-millisecond on Linux; asyncio's epoll timeouts round to whole
-milliseconds, too coarse for a 0.25 ms delay).
+kept, every chunk keeps its own timestamp (a chunk never waits for a later one),
+and a writer thread sleeps until each release time (time.sleep, sub-millisecond
+on Linux; asyncio's epoll timeouts round to whole milliseconds, too coarse for a
+0.25 ms delay), then writes that chunk and every chunk already due in one send,
+as a wire delivers back-to-back bytes.
+
+Like a wire, it should cost the two ends no CPU. In the lab it shares the machine's
+two CPUs with both ends, and llama.cpp's head sends each token as ~30 small writes
+(per command | cmd | size | payload | in three send() calls, TCP_NODELAY:
+ggml-rpc.cpp send_rpc_cmd, transport.cpp send_data / set_no_delay). A proxy that
+spun at SCHED_FIFO before each of them (150 µs) held a CPU through the head's send
+burst at small delays (the burst grew from ~0.6 to 1.0-1.4 ms), and not at large
+ones (the writes come after the burst): a token paid ~2x the RTT increase at
+0.25 ms and ~0.8x at 1 ms. It sleeps now (no spin by default, --spin-us) and
+merges due chunks; ``--trace FILE`` records every chunk's times to see this.
 
 It also counts, per direction, chunks and bytes, and the client->server
 request/response turns: a server->client burst that follows client->server
@@ -207,6 +218,7 @@ class _RpcParser(_Framer):
         super().__init__(9, corrupt)
         self.owed = owed  # commands awaiting a response, oldest first
         self.computed = False  # a GRAPH_COMPUTE has gone by: weights are loaded
+        self.last_cmd = ""  # the name of the last command whose header went by
         self.counts: collections.Counter | None = None
 
     def feed(self, data: bytes, counts: collections.Counter | None = None) -> bytes:
@@ -218,8 +230,9 @@ class _RpcParser(_Framer):
         size = struct.unpack_from("<Q", hdr, 1)[0]
         if cmd >= len(RpcCmd) or size > 1 << 40:
             return None
+        self.last_cmd = RpcCmd(cmd).name
         if self.counts is not None:
-            self.counts[RpcCmd(cmd).name] += 1
+            self.counts[self.last_cmd] += 1
         if self.owed is not None and cmd in ANSWERED:
             self.owed.append(cmd)
         if cmd in (RpcCmd.GRAPH_COMPUTE, RpcCmd.GRAPH_RECOMPUTE):
@@ -281,8 +294,14 @@ class Stats:
         }
 
 
-# The last stretch before a release is spun, not slept (see _Pipe._write).
-SPIN_S = 150e-6
+# The last stretch before a release that is spun, not slept. 0: none. Under SCHED_FIFO
+# (--realtime) a sleep wakes ~25 µs late (median, 40 µs p90, on the lab VM), and a spinning
+# FIFO thread holds a whole CPU (sched_yield does not yield to normal threads): a 150 µs
+# spin per chunk, ~30 chunks per token (each RPC command is three send() calls with
+# TCP_NODELAY: ggml-rpc.cpp send_rpc_cmd, transport.cpp send_data), took one of the lab's
+# two CPUs for most of the head's send burst at 0.25 ms, and that token paid ~2x the RTT
+# increase over 0 ms (bench/estimate_accuracy.py, docs/estimate-accuracy.md).
+SPIN_S = 0.0
 
 
 def realtime(priority: int = 10) -> str:
@@ -311,7 +330,7 @@ class _Pipe:
     ):
         self.proxy, self.src, self.dst = proxy, src, dst
         self.state = conn_state
-        self.q: collections.deque[tuple[float, bytes]] = collections.deque()
+        self.q: collections.deque[tuple[float, bytes, list[Any] | None]] = collections.deque()
         self.cv = threading.Condition()
         self.closed = False
         corrupt, owed = proxy.stats.corruption, conn_state.get("owed")
@@ -336,12 +355,21 @@ class _Pipe:
                 if not data:
                     break
                 now = time.monotonic()
+                rec: list[Any] | None = None
                 with lock:
+                    if self.proxy.trace is not None:
+                        before = sum(st.rpc_commands.values())
+                        # [direction, read at, bytes, release at, written at, last command]
+                        d = "c2s" if self.requests is not None else "s2c"
+                        rec = [d, now, len(data), now + self.proxy.delay_s, 0.0, ""]
+                        self.proxy.trace.append(rec)
                     if self.requests is not None:  # client to server
                         st.c2s_chunks += 1
                         st.c2s_bytes += len(data)
                         self.state["last"] = "c"
                         data = self.requests.feed(data, st.rpc_commands)
+                        if rec is not None and sum(st.rpc_commands.values()) > before:
+                            rec[5] = self.requests.last_cmd
                     else:
                         if self.responses is not None:
                             data = self.responses.feed(data)
@@ -351,7 +379,7 @@ class _Pipe:
                             st.turns += 1
                         self.state["last"] = "s"
                 with self.cv:
-                    self.q.append((now + self.proxy.delay_s, data))
+                    self.q.append((now + self.proxy.delay_s, data, rec))
                     self.cv.notify()
         except OSError:
             pass
@@ -367,21 +395,33 @@ class _Pipe:
                         self.cv.wait()
                     if not self.q:
                         break
-                    release, data = self.q.popleft()
-                # Sleep to within SPIN_S of the release, then spin: time.sleep overshoots by
-                # tens of µs (timer slack, wake-up), more than a 0.25 ms delay can absorb.
+                    release, data, rec = self.q.popleft()
+                spin = self.proxy.spin_s
                 left = release - time.monotonic()
-                if left > SPIN_S:
-                    time.sleep(left - SPIN_S)
+                if left > spin:
+                    time.sleep(left - spin)
                 while time.monotonic() < release:
                     time.sleep(0)  # lets go of the GIL: the other pipes' threads run
-                late = (time.monotonic() - release) * 1e6
+                # Every chunk already due leaves in this one write: a wire delivers them
+                # back to back, and a write (and a wake-up) per chunk cost the CPU the
+                # lab's two ends share (see the module docstring).
+                now = time.monotonic()
+                due = [(release, data, rec)]
+                with self.cv:
+                    while self.q and self.q[0][0] <= now:
+                        due.append(self.q.popleft())
                 st = self.proxy.stats
                 with self.proxy.lock:
-                    st.late_chunks += 1
-                    st.late_us_sum += late
-                    st.late_us_max = max(st.late_us_max, late)
-                self.dst.sendall(data)
+                    for r, _, _ in due:
+                        late = (now - r) * 1e6
+                        st.late_chunks += 1
+                        st.late_us_sum += late
+                        st.late_us_max = max(st.late_us_max, late)
+                self.dst.sendall(data if len(due) == 1 else b"".join(d for _, d, _ in due))
+                sent = time.monotonic()
+                for _, _, rc in due:
+                    if rc is not None:
+                        rc[4] = sent
         except OSError:
             pass
         with contextlib.suppress(OSError):
@@ -408,6 +448,9 @@ class DelayProxy:
         self._port = listen[1]
         self._stop = threading.Event()
         self.scheduling = "default"
+        self.spin_s = SPIN_S
+        # Every chunk's times when tracing (--trace): where a token's wait goes.
+        self.trace: list[list[Any]] | None = None
 
     @property
     def port(self) -> int:
@@ -491,6 +534,16 @@ def main(argv: list[str] | None = None) -> int:
         "(faults injected mid-serve)",
     )
     ap.add_argument(
+        "--spin-us",
+        type=float,
+        help=f"spin (not sleep) this last stretch before each release (default {SPIN_S * 1e6:g})",
+    )
+    ap.add_argument(
+        "--trace",
+        help="write every chunk as [direction, read at, bytes, release at, written at, last "
+        "RPC command] (monotonic seconds) to this JSON file on exit",
+    )
+    ap.add_argument(
         "--realtime",
         action="store_true",
         help="run this proxy under SCHED_FIFO (root): fewer late chunks on a busy machine",
@@ -508,6 +561,10 @@ def main(argv: list[str] | None = None) -> int:
                 corrupt=corrupt,
             )
             proxy.scheduling = sched
+            if a.trace:
+                proxy.trace = []
+            if a.spin_us is not None:
+                proxy.spin_s = a.spin_us / 1e6
             if a.control:  # before the first connection: corruption may start disarmed
                 apply_control(proxy, Path(a.control))
             proxy.start()
@@ -520,6 +577,8 @@ def main(argv: list[str] | None = None) -> int:
         _serve(proxy, a, sched, done)
     proxy.stop()
     snap = proxy.snapshot()
+    if a.trace:
+        _dump_trace(proxy, Path(a.trace))
     if a.stats_file:
         write_atomic(Path(a.stats_file), json.dumps(snap))
     print(json.dumps(snap), flush=True)
@@ -550,6 +609,7 @@ def _serve(proxy: DelayProxy, a: argparse.Namespace, sched: str, done: StopFlag)
     path = Path(a.stats_file) if a.stats_file else None
     control = Path(a.control) if a.control else None
     last = None
+    seen = dumped = 0  # trace length at the last tick, and as last written
     while not done.wait(0.2):
         if control:
             apply_control(proxy, control)
@@ -558,6 +618,20 @@ def _serve(proxy: DelayProxy, a: argparse.Namespace, sched: str, done: StopFlag)
             if snap != last:
                 write_atomic(path, snap)
                 last = snap
+        if a.trace and proxy.trace is not None:
+            # Written when the link has been idle for a tick (not while it carries a
+            # token), so a proxy killed at the end still leaves its trace.
+            n = len(proxy.trace)
+            if n == seen and n != dumped:
+                _dump_trace(proxy, Path(a.trace))
+                dumped = n
+            seen = n
+
+
+def _dump_trace(proxy: DelayProxy, path: Path) -> None:
+    with proxy.lock:
+        text = json.dumps(proxy.trace)
+    write_atomic(path, text)
 
 
 if __name__ == "__main__":

@@ -246,3 +246,32 @@ def test_realtime_is_this_process_only():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["SCHED_FIFO", "10", "True"]
     assert os.sched_getscheduler(0) == os.SCHED_OTHER
+
+
+def test_due_chunks_leave_in_one_write_and_none_before_its_release():
+    """The writer sends every chunk already due with the one it woke for (one write, as a
+    wire delivers back-to-back bytes) and holds a later one until its own release; the
+    trace records each chunk's release and write times."""
+    import socket
+
+    from linkctl.lab.delayproxy import DelayProxy, _Pipe
+
+    proxy = DelayProxy(("127.0.0.1", 0), ("127.0.0.1", 9), 5.0)
+    src, _src_peer = socket.socketpair()
+    dst, dst_peer = socket.socketpair()
+    pipe = _Pipe(proxy, src, dst, False, {})
+    now = time.monotonic()
+    recs = [["s2c", now, 1, now + dt, 0.0, ""] for dt in (-0.002, -0.001, 0.005)]
+    for rec, data in zip(recs, (b"a", b"b", b"c"), strict=True):
+        pipe.q.append((rec[3], data, rec))
+    pipe.closed = True
+    pipe._write()  # drains the queue in this thread, then shuts dst down
+    assert recs[0][4] == recs[1][4] < recs[2][4]
+    assert all(rec[4] >= rec[3] for rec in recs)
+    got = b""
+    while chunk := dst_peer.recv(16):
+        got += chunk
+    assert got == b"abc"
+    assert proxy.stats.late_chunks == 3
+    for s in (src, _src_peer, dst, dst_peer):
+        s.close()
