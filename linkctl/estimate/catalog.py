@@ -90,12 +90,22 @@ class Device:
     # How far the fit's figures were from rows it did not see (linkctl.estimate.ranges),
     # by kind ("decode", "prefill").
     ranges: dict[str, ErrorRange] = field(default_factory=dict)
+    build: str = ""  # the llama.cpp build(s) the fitted rows ran, as their sources name them
+    build_numbers: tuple[int, ...] = ()
     # Measured by `linkctl calibrate` (None: catalog figures are used).
     calibration: CalibrationRecord | None = None
 
     @property
     def calibrated(self) -> bool:
         return bool(self.calibration)
+
+    @property
+    def on_bound(self) -> list[str]:
+        """The terms the fit holds at the device's physical bound (devicefit.bounds); a
+        calibrated host's measured terms are its own."""
+        if self.calibration:
+            return []
+        return sorted(k for k, v in self.fit.items() if v.startswith("on its physical bound"))
 
     def error_range(self, kind: str) -> ErrorRange:
         return self.ranges.get(kind, NONE)
@@ -160,6 +170,14 @@ def load_spec(path: Path | None = None) -> dict[str, dict[str, Any]]:
         for f in _FIELDS:
             if not isinstance(d[f], int | float) or d[f] <= 0:
                 raise InputError(f"device catalog {path}: [{key}].{f} = {d[f]!r} must be > 0")
+        for b in ("bound_bandwidth_gbs", "bound_tflops"):
+            if b in d and (
+                not isinstance(d[b], int | float) or d[b] <= 0 or f"{b}_source" not in d
+            ):
+                raise InputError(
+                    f"device catalog {path}: [{key}].{b} = {d[b]!r}",
+                    f"give a measured figure > 0 and where it was measured in {b}_source",
+                )
         if d["kind"] not in ("gpu", "cpu"):
             raise InputError(f"device catalog {path}: [{key}].kind = {d['kind']!r}: gpu or cpu")
         if d.get("family") not in FAMILIES:
@@ -180,6 +198,7 @@ def load_catalog(path: Path | None = None, fit: Path | None = None) -> dict[str,
         f = fitted.get(key) or {}
         notes = {"summary": "catalog spec x prior efficiency (no fitted terms)"}
         ranges: dict[str, ErrorRange] = {}
+        build, numbers = "", tuple[int, ...]()
         if f:
             try:
                 dec = DecodeTerms(**{k: float(f["decode"][k]) for k in DECODE_FIELDS})
@@ -192,6 +211,8 @@ def load_catalog(path: Path | None = None, fit: Path | None = None) -> dict[str,
             notes = {str(k): str(v) for k, v in (f.get("notes") or {}).items()}
             notes["summary"] = str(f.get("summary", "fitted"))
             ranges = _ranges(f.get("range") or {}, fpath, key)
+            build = str(f.get("build", ""))
+            numbers = tuple(int(n) for n in f.get("build_numbers", []))
         figures: dict[str, Any] = {x: float(d[x]) for x in _FIELDS}
         out[key] = Device(
             key=key,
@@ -204,6 +225,8 @@ def load_catalog(path: Path | None = None, fit: Path | None = None) -> dict[str,
             sources={x: d[f"{x}_source"] for x in _FIELDS},
             fit=notes,
             ranges=ranges,
+            build=build,
+            build_numbers=numbers,
         )
     return out
 

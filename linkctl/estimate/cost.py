@@ -101,6 +101,11 @@ class DeviceLoad:
     weights_us: float = 0.0  # the weight reads inside compute_us
     # The catalog range each kind of figure is widened by on this device, and its pool.
     ranges: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # The device's terms that sit on their physical bound (devices_fit.toml notes).
+    on_bound: list[str] = field(default_factory=list)
+    # The llama.cpp build(s) the device's terms describe (the catalog rows' builds; a
+    # calibrated host's: the build calibrate ran).
+    terms_build: str = ""
 
 
 @dataclass
@@ -245,6 +250,8 @@ def _device_load(
         layer_fixed_us=fixed,
         weights_us=w_us,
         ranges={k: p.device.error_range(k).as_dict() for k in KINDS},
+        on_bound=p.device.on_bound,
+        terms_build="calibrated on this host" if p.device.calibrated else p.device.build,
     )
 
 

@@ -29,6 +29,7 @@ from functools import cache
 from typing import Any
 
 from linkctl.core.errors import InputError
+from linkctl.estimate.builds import build_numbers
 from linkctl.estimate.catalog import (
     DECODE_FIELDS,
     PREFILL_FIELDS,
@@ -119,6 +120,71 @@ def _samples(rows: list[Row]) -> list[Sample]:
     return [(row_features(r), row_time_us(r)) for r in rows]
 
 
+# A bound in coefficient space: the fewest µs per unit (byte, FLOP) the device can
+# spend, with the text that cites it.
+Bounds = dict[int, tuple[float, str]]
+
+
+def bounds(spec: dict[str, Any]) -> tuple[Bounds, Bounds]:
+    """(decode, prefill) bounds of a device: every bandwidth term at most what it reaches
+    in a memory-bound kernel, every FLOPS term at most its compute-bound rate
+    (devices.toml `bound_bandwidth_gbs` / `bound_tflops` with their sources, else the
+    vendor's peak, which nothing exceeds).
+
+    Compute bounds only where the catalog's FLOPS figure is the rate llama.cpp's kernels
+    can reach at most: Apple GPUs (Metal's simdgroup matrix multiply runs FP16 and FP32
+    at one rate, devices.toml). On NVIDIA, llama.cpp's quantized matmul runs on the int8
+    tensor cores (ggml-cuda mmq.cuh) and its flash attention can accumulate in FP16, both
+    above the FP16-with-FP32-accumulate figure the catalog holds: the fitted rtx4090
+    prompt rate (193 TFLOPS) is above its 165; those terms stay unbounded."""
+    bw = spec.get("bound_bandwidth_gbs")
+    bw_src = spec.get("bound_bandwidth_gbs_source") if bw else None
+    if not bw:
+        bw, bw_src = (
+            spec["mem_bandwidth_gbs"],
+            f"the vendor's peak ({spec['mem_bandwidth_gbs_source']})",
+        )
+    per_byte = 1e6 / (float(bw) * 1e9)
+    dec = {i: (per_byte, f"{float(bw):g} GB/s, {bw_src}") for i in (D_Q, D_F16, D_KV)}
+    tf = spec.get("bound_tflops")
+    tf_src = spec.get("bound_tflops_source") if tf else None
+    if not tf and spec.get("family") == "apple":
+        tf, tf_src = spec["fp16_tflops"], f"the vendor's peak ({spec['fp16_tflops_source']})"
+    pre: Bounds = {}
+    if tf:
+        per_flop = 1e6 / (float(tf) * 1e12)
+        pre = {
+            i: (per_flop, f"{float(tf):g} TFLOPS, {tf_src}") for i in (P_Q, P_F16, P_MOE, P_ATTN)
+        }
+    return dec, pre
+
+
+def _on_bound(
+    c: list[float], mins: Bounds, names: tuple[str, ...], notes: dict[str, str], refit
+) -> list[float]:
+    """Hold every term to its bound: one faster than it is fixed at the bound (the terms
+    tied to it follow) and the rest refitted around it, and marked in the notes."""
+    for _ in range(len(mins)):
+        over = [i for i in mins if c[i] < mins[i][0] * (1 - 1e-9)]
+        if not over:
+            break
+        i = over[0]
+        notes[names[i]] = f"on its physical bound: {mins[i][1]}"
+        c = refit(i, mins[i][0])
+    return c
+
+
+def _held(coefs: list[float]):
+    """For assumed terms (no rows to refit): the term alone is held at its bound."""
+
+    def refit(i: int, v: float) -> list[float]:
+        nonlocal coefs
+        coefs = [v if j == i else c for j, c in enumerate(coefs)]
+        return coefs
+
+    return refit
+
+
 def _solve_pinned(
     rows: list[Row],
     n_coef: int,
@@ -129,6 +195,7 @@ def _solve_pinned(
     names: tuple[str, ...],
     notes: dict[str, str],
     src: str,
+    mins: Bounds,
 ) -> list[float]:
     """Fit; a throughput term the rows leave at zero cost (unbounded) is tied to the
     quantized one at the prior's ratio (the main one: fixed at the prior, with what is
@@ -155,7 +222,13 @@ def _solve_pinned(
                     fixed[j] = k * prior[i]
             notes[names[i]] = f"assumed (not pinned by the rows): {src}"
         c = solve_tied(_samples(rows), n_coef, ties, fixed)
-    return c
+
+    def refit(i: int, v: float) -> list[float]:
+        ties.pop(i, None)
+        fixed[i] = v
+        return solve_tied(_samples(rows), n_coef, ties, fixed)
+
+    return _on_bound(c, mins, names, notes, refit)
 
 
 def _distinct(rows: list[Row]) -> int:
@@ -176,7 +249,9 @@ def _tied_note(prior: Prior, why: str, base: str, alone: int = 1) -> str:
     return f"assumed ({why}): {base} x {alone} (no device to borrow a ratio from)"
 
 
-def fit_decode(rows: list[Row], prior: Prior) -> tuple[list[float], dict[str, str]]:
+def fit_decode(
+    rows: list[Row], prior: Prior, mins: Bounds | None = None
+) -> tuple[list[float], dict[str, str]]:
     pc = prior.decode
     src = f"the {prior.anchor} fit" if prior.anchor else "no device to borrow from"
 
@@ -221,7 +296,9 @@ def fit_decode(rows: list[Row], prior: Prior) -> tuple[list[float], dict[str, st
         # bandwidth are collinear. Take the family anchor's per-block cost, fit the rest.
         _pin(fixed, ties, pc, D_BLOCK, D_MOE)
         notes["layer_us"] = f"assumed (rows do not separate it from bandwidth): {src}"
-    c = _solve_pinned(rows, 5, ties, fixed, (D_Q, D_F16, D_KV), pc, DECODE_FIELDS, notes, src)
+    c = _solve_pinned(
+        rows, 5, ties, fixed, (D_Q, D_F16, D_KV), pc, DECODE_FIELDS, notes, src, mins or {}
+    )
     return c, notes
 
 
@@ -235,7 +312,9 @@ def _pin(
         fixed[tied] = pc[tied]
 
 
-def fit_prefill(rows: list[Row], prior: Prior) -> tuple[list[float], dict[str, str]]:
+def fit_prefill(
+    rows: list[Row], prior: Prior, mins: Bounds | None = None
+) -> tuple[list[float], dict[str, str]]:
     pc = prior.prefill
     src = f"the {prior.anchor} fit" if prior.anchor else "no device to borrow from"
     ties: dict[int, tuple[int, float]] = {}
@@ -282,7 +361,16 @@ def fit_prefill(rows: list[Row], prior: Prior) -> tuple[list[float], dict[str, s
         _pin(fixed, ties, pc, P_UB, P_MOE_UB)
         notes["ubatch_layer_us"] = f"assumed (rows do not separate it from FLOPS): {src}"
     c = _solve_pinned(
-        rows, 6, ties, fixed, (P_Q, P_F16, P_MOE, P_ATTN), pc, PREFILL_FIELDS, notes, src
+        rows,
+        6,
+        ties,
+        fixed,
+        (P_Q, P_F16, P_MOE, P_ATTN),
+        pc,
+        PREFILL_FIELDS,
+        notes,
+        src,
+        mins or {},
     )
     return c, notes
 
@@ -322,18 +410,19 @@ def fit_device(
         prior = Prior(decode_coefs(d), prefill_coefs(p), None)
         scaled_note = "assumed: spec x prior efficiency (devices.toml), no per-block cost"
     notes: dict[str, str] = {}
+    dmin, pmin = bounds(spec)
     if dec_rows:
-        dc, dn = fit_decode(dec_rows, prior)
+        dc, dn = fit_decode(dec_rows, prior, dmin)
         notes |= dn
     else:
-        dc = prior.decode
         notes["decode"] = scaled_note
+        dc = _on_bound(prior.decode, dmin, DECODE_FIELDS, notes, _held(prior.decode))
     if pre_rows:
-        pc, pn = fit_prefill(pre_rows, prior)
+        pc, pn = fit_prefill(pre_rows, prior, pmin)
         notes |= pn
     else:
-        pc = prior.prefill
         notes["prefill"] = scaled_note
+        pc = _on_bound(prior.prefill, pmin, PREFILL_FIELDS, notes, _held(prior.prefill))
     return DeviceFit(dc, pc, notes, len(dec_rows), len(pre_rows))
 
 
@@ -444,6 +533,10 @@ def render_fit_toml(
         lines += [f"[{key}]", f'summary = "{summary}"']
         if srcs:
             lines.append("sources = [" + ", ".join(f'"{s}"' for s in srcs) + "]")
+            builds = sorted({r.build for r in mine if r.group == group})
+            nums = sorted({n for b in builds for n in build_numbers(b)})
+            lines.append('build = "' + "; ".join(builds).replace('"', "'") + '"')
+            lines.append("build_numbers = [" + ", ".join(map(str, nums)) + "]")
         lines.append(f"[{key}.decode]")
         lines += [f"{n} = {_fmt(getattr(dec, n))}" for n in DECODE_FIELDS]
         lines.append(f"[{key}.prefill]")

@@ -40,6 +40,8 @@ class Row:
     # rows ran (source `fit_group`): such rows are fitted as their own unit, never mixed
     # into the device's catalog terms (one set of terms cannot be two builds).
     group: str = ""
+    # The llama.cpp build the source ran, as it names it (source `build`).
+    build: str = ""
     # Whether the source's build ran flash attention (llama-bench -fa): without it the
     # decode attention reads K and V once per query head (ModelInfo.attn_bytes_per_position).
     flash_attn: bool = True
@@ -94,6 +96,7 @@ def load_rows(path: Path | None = None) -> list[Row]:
                     exclude=r.get("exclude"),
                     group=str(src.get("fit_group", "")),
                     flash_attn=src["flash_attn"],
+                    build=str(r.get("build", src.get("build", ""))),
                 )
             )
     return rows

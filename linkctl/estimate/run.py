@@ -15,6 +15,7 @@ from linkctl.core.records import (
     load_probe,
     parse,
 )
+from linkctl.estimate.builds import far_notes, local_build
 from linkctl.estimate.catalog import apply_calibration, get_device, load_catalog, rpc_role
 from linkctl.estimate.cost import GIB, Estimate, LinkFigures, Participant, estimate
 from linkctl.estimate.layers import split_devices
@@ -116,11 +117,14 @@ def participants(
                     )
                 )
         if not dev.calibrated:
+            built = dev.build or "build not recorded"
+            bound = f"; on their physical bound: {', '.join(dev.on_bound)}" if dev.on_bound else ""
             notes.append(
                 Note(
                     NoteKind.CALIBRATION,
                     f"{h.name}: catalog terms for {dev.key} "
-                    f"({dev.fit.get('summary', 'catalog')}; not calibrated on this host)",
+                    f"({dev.fit.get('summary', 'catalog')}; llama.cpp {built}; not calibrated "
+                    f"on this host){bound}",
                 )
             )
         out.append(Participant(h.name, h.role, dev, free, free_src, overhead))
@@ -177,6 +181,6 @@ def run_estimate(
                 "drop --split to see the local prediction",
             )
         est = predict([float(c) for c in est.recommended.tensor_split])
-    est.warnings += notes
+    est.warnings += notes + far_notes(parts, local_build())
     est.model["split_order"] = [p.host for p in split_devices(parts)]
     return est

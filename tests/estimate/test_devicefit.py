@@ -50,7 +50,8 @@ def test_fit_recovers_known_terms_from_synthetic_rows():
     rows = [r for r in load_rows() if r.device == "gb10" and not r.exclude]
     spec = load_spec()
     truth = fit_all(rows, spec)["gb10"]
-    truth.decode = [30.0, 12.0, 1e6 / 250e9, 1e6 / 250e9, 1e6 / 180e9]
+    # Within the gb10's bound (234 GB/s measured read: devices.toml), so the fit may reach them.
+    truth.decode = [30.0, 12.0, 1e6 / 220e9, 1e6 / 220e9, 1e6 / 180e9]
     synth = [replace(r, tok_s=r.tok_s * row_time_us(r) / predict_us(truth, r)) for r in rows]
     got = fit_all(synth, spec)["gb10"]
     for a, b in zip(got.decode, truth.decode, strict=True):
