@@ -274,7 +274,11 @@ def markdown(scored: list[dict], summary: dict) -> None:
             f"{s['in_sample_max_abs_err']:.1%} (median {s['in_sample_median_abs_err']:.1%}); "
             f"LOO max {s['loo_max_abs_err']:.1%} (median {s['loo_median_abs_err']:.1%}); "
             f"**{s['loo_within_target']}/{s['loo_testable']} testable rows within "
-            f"+-{s['target']:.0%} LOO** ({s['rows'] - s['loo_testable']} not testable)."
+            f"+-{s['target']:.0%} LOO** ({s['rows'] - s['loo_testable']} not testable); "
+            f"the interval covers {s['interval_covers']}/{s['rows']} (**{s['coverage']:.0%}**, "
+            f"target {COVERAGE_TARGET:.0%}); source-held-out {s['held_out_within_target']}/"
+            f"{s['held_out_testable']} testable rows within +-{s['target']:.0%} "
+            f"({s['held_out_rows'] - s['held_out_testable']} not testable)."
         )
 
 
