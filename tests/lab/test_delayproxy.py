@@ -13,7 +13,8 @@ import time
 import pytest
 
 from linkctl.core.runner import stop_process
-from linkctl.lab.delayproxy import _RpcParser, main
+from linkctl.lab.delayproxy import main
+from linkctl.lab.rpcstream import _RpcParser
 from linkctl.llama.rpc import RpcCmd
 
 ECHO = r"""
@@ -149,7 +150,7 @@ def _msg(cmd: int, payload: bytes) -> bytes:
 
 def _set_tensor(data: bytes) -> bytes:
     # | rpc_tensor (296) | cache_flag | offset u64 | data |, header bytes all 0xAB
-    from linkctl.lab.delayproxy import SET_TENSOR_HEADER
+    from linkctl.lab.rpcstream import SET_TENSOR_HEADER
 
     return _msg(6, b"\xab" * SET_TENSOR_HEADER + data)
 
@@ -168,7 +169,7 @@ def _diff_bits(a: bytes, b: bytes) -> list[int]:
 
 
 def test_corruption_flips_only_tensor_data_at_the_rate_and_chunking_does_not_matter():
-    from linkctl.lab.delayproxy import SET_TENSOR_HEADER, Corruption
+    from linkctl.lab.rpcstream import SET_TENSOR_HEADER, Corruption
 
     data = bytes(200_000)
     stream = _msg(14, bytes(24)) + _set_tensor(data) + _msg(10, b"\xcd" * 500) + _set_tensor(data)
@@ -195,7 +196,7 @@ def test_corruption_flips_only_tensor_data_at_the_rate_and_chunking_does_not_mat
 
 
 def test_weights_target_stops_at_the_first_graph_compute():
-    from linkctl.lab.delayproxy import Corruption
+    from linkctl.lab.rpcstream import Corruption
 
     data = bytes(50_000)
     stream = _set_tensor(data) + _msg(10, bytes(100)) + _set_tensor(data)
@@ -207,7 +208,7 @@ def test_weights_target_stops_at_the_first_graph_compute():
 
 
 def test_get_tensor_results_are_corrupted_and_other_responses_are_not():
-    from linkctl.lab.delayproxy import Corruption, _ResponseParser
+    from linkctl.lab.rpcstream import Corruption, _ResponseParser
 
     owed = collections.deque()
     c = Corruption("get_tensor", 1e-2, seed=3)
