@@ -24,7 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from linkctl.estimate.catalog import fit_path, load_spec
-from linkctl.estimate.devicefit import fit_all, render_fit_toml, terms
+from linkctl.estimate.devicefit import fit_all
+from linkctl.estimate.fitfile import render_fit_toml, terms
 from linkctl.estimate.holdout import (
     catalog_ranges,
     leave_one_out,

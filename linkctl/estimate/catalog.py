@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from linkctl.core.errors import InputError
+from linkctl.estimate.kernel_rates import TypeRate, family_rates
 from linkctl.estimate.ranges import KINDS, NONE, ErrorRange
 
 if TYPE_CHECKING:
@@ -92,8 +93,15 @@ class Device:
     ranges: dict[str, ErrorRange] = field(default_factory=dict)
     build: str = ""  # the llama.cpp build(s) the fitted rows ran, as their sources name them
     build_numbers: tuple[int, ...] = ()
+    # Each quantized ggml type's read rate relative to Q8_0 (bw_gbs is the Q8_0 rate):
+    # fitted to the device's rows or tied to its family's kernel-rate prior.
+    weight_rates: dict[str, TypeRate] = field(default_factory=dict)
     # Measured by `linkctl calibrate` (None: catalog figures are used).
     calibration: CalibrationRecord | None = None
+
+    @property
+    def factors(self) -> dict[str, float]:
+        return {t: r.factor for t, r in self.weight_rates.items()}
 
     @property
     def calibrated(self) -> bool:
@@ -199,6 +207,7 @@ def load_catalog(path: Path | None = None, fit: Path | None = None) -> dict[str,
         notes = {"summary": "catalog spec x prior efficiency (no fitted terms)"}
         ranges: dict[str, ErrorRange] = {}
         build, numbers = "", tuple[int, ...]()
+        rates = family_rates(d["family"])
         if f:
             try:
                 dec = DecodeTerms(**{k: float(f["decode"][k]) for k in DECODE_FIELDS})
@@ -213,6 +222,7 @@ def load_catalog(path: Path | None = None, fit: Path | None = None) -> dict[str,
             ranges = _ranges(f.get("range") or {}, fpath, key)
             build = str(f.get("build", ""))
             numbers = tuple(int(n) for n in f.get("build_numbers", []))
+            rates |= _weight_rates(f.get("weight_types") or {}, fpath, key)
         figures: dict[str, Any] = {x: float(d[x]) for x in _FIELDS}
         out[key] = Device(
             key=key,
@@ -227,7 +237,26 @@ def load_catalog(path: Path | None = None, fit: Path | None = None) -> dict[str,
             ranges=ranges,
             build=build,
             build_numbers=numbers,
+            weight_rates=rates,
         )
+    return out
+
+
+def _weight_rates(table: dict[str, Any], fpath: Path, key: str) -> dict[str, TypeRate]:
+    out = {}
+    for t, r in table.items():
+        try:
+            out[str(t)] = TypeRate(float(r["factor"]), str(r["how"]), str(r["source"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise InputError(
+                f"fitted device terms {fpath}: [{key}.weight_types].{t} is incomplete ({e})",
+                "re-run scripts/fit_devices.py",
+            ) from None
+        if not out[str(t)].factor > 0:
+            raise InputError(
+                f"fitted device terms {fpath}: [{key}.weight_types].{t} factor must be > 0",
+                "re-run scripts/fit_devices.py",
+            )
     return out
 
 

@@ -32,6 +32,7 @@ from linkctl.estimate.features import (
 from linkctl.estimate.layers import llama_slot_devices, slots_from_counts, split_devices
 from linkctl.estimate.notes import Note, NoteKind, texts
 from linkctl.estimate.ranges import KINDS, ErrorRange, widened
+from linkctl.estimate.weight_types import priced
 from linkctl.gguf.info import ModelInfo
 
 GIB = 1024**3
@@ -108,6 +109,8 @@ class DeviceLoad:
     # The llama.cpp build(s) the device's terms describe (the catalog rows' builds; a
     # calibrated host's: the build calibrate ran).
     terms_build: str = ""
+    # Per ggml type: bytes per token, read-rate factor, fitted or tied (weight_types.py).
+    weight_types: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -229,7 +232,10 @@ def _device_load(
     need = weight + kv + (buffers if (layers or holds_output) else 0)
     # llama-server's default flash attention (-fa auto) on the device's backend.
     skip = skips_masked_kv(p.device.family)
-    feats = decode_features(model, layers, holds_output, depth, skips_masked=skip)
+    feats = decode_features(
+        model, layers, holds_output, depth, DEFAULT_UBATCH, True, skip, p.device.factors
+    )
+    types = priced(model, layers, holds_output, p.device)
     c = decode_coefs(p.device.decode)
     fixed = c[D_BLOCK] * feats[D_BLOCK] + c[D_MOE] * feats[D_MOE]
     w_us = c[D_Q] * feats[D_Q] + c[D_F16] * feats[D_F16]
@@ -244,7 +250,7 @@ def _device_load(
         need_bytes=need,
         free_bytes=p.free_bytes,
         fits=need <= p.free_bytes,
-        read_bytes_per_token=int(feats[D_Q] + feats[D_F16] + feats[D_KV]),
+        read_bytes_per_token=int(sum(x["bytes_per_token"] for x in types) + feats[D_KV]),
         compute_us=fixed + w_us,
         kv_read_us=c[D_KV] * feats[D_KV],
         bandwidth_gbs=p.device.decode.bw_gbs,
@@ -254,6 +260,7 @@ def _device_load(
         ranges={k: p.device.error_range(k).as_dict() for k in KINDS},
         on_bound=p.device.on_bound,
         terms_build="calibrated on this host" if p.device.calibrated else p.device.build,
+        weight_types=types,
     )
 
 
@@ -558,11 +565,8 @@ def estimate(
     busiest = max(ref.devices, key=lambda d: len(d.layers))
     if busiest.layers:
         bdev = next(p for p in parts if p.host == busiest.host).device
-        out_us = (
-            dot(decode_coefs(bdev.decode), decode_features(model, [], True, 0))
-            if busiest.holds_output
-            else 0.0
-        )
+        out_f = decode_features(model, [], True, 0, factors=bdev.factors)
+        out_us = dot(decode_coefs(bdev.decode), out_f) if busiest.holds_output else 0.0
         layer_us = (busiest.compute_us + busiest.kv_read_us - out_us) / len(busiest.layers)
     else:
         layer_us = 0.0

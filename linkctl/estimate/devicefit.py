@@ -29,12 +29,9 @@ from functools import cache
 from typing import Any
 
 from linkctl.core.errors import InputError
-from linkctl.estimate.builds import build_numbers
 from linkctl.estimate.catalog import (
     DECODE_FIELDS,
     PREFILL_FIELDS,
-    DecodeTerms,
-    PrefillTerms,
     load_spec,
     prior_terms,
 )
@@ -52,24 +49,24 @@ from linkctl.estimate.features import (
     P_UB,
     decode_coefs,
     decode_features,
-    decode_terms_from_coefs,
     dot,
     prefill_coefs,
     prefill_features,
-    prefill_terms_from_coefs,
     skips_masked_kv,
 )
+from linkctl.estimate.kernel_rates import TypeRate, family_rates
 from linkctl.estimate.published import Row, row_model, row_time_us
-from linkctl.estimate.ranges import ErrorRange
 from linkctl.estimate.solve import Sample, full_rank, solve_tied
+from linkctl.estimate.typefit import TypeColumns, fittable, fitted_rates, rate_name, tied_note
 
 KV_DEPTH_MIN = 2048  # a decode row this deep (mean position) pins the KV bandwidth
 F16_SHARE_MIN = 0.5  # a row whose weight bytes are mostly F16 pins the F16 terms
 
 
-def row_features(row: Row) -> list[float]:
+def row_features(row: Row, factors: dict[str, float] | None = None) -> list[float]:
     """What the estimator counts for this llama-bench test on one device (all blocks
-    and the output head): per generated token for tg, per prompt for pp."""
+    and the output head): per generated token for tg, per prompt for pp; ``factors``:
+    the device's weight-type read rates (features.decode_features)."""
     m = row_model(row)
     layers = list(range(m.block_count))
     # Whether the row's backend skips the cache chunks the mask fully masks (Metal's flash
@@ -78,7 +75,7 @@ def row_features(row: Row) -> list[float]:
     skip = skips_masked_kv(_family(row.device), row.flash_attn)
     if row.kind == "decode":
         depth = row.depth + row.n / 2
-        return decode_features(m, layers, True, depth, row.ubatch, row.flash_attn, skip)
+        return decode_features(m, layers, True, depth, row.ubatch, row.flash_attn, skip, factors)
     return prefill_features(m, layers, True, row.n, row.depth, row.ubatch, skip)
 
 
@@ -114,10 +111,19 @@ class DeviceFit:
     notes: dict[str, str] = field(default_factory=dict)
     n_decode: int = 0
     n_prefill: int = 0
+    # Each quantized ggml type's read rate relative to Q8_0 (kernel_rates), fitted or tied.
+    rates: dict[str, TypeRate] = field(default_factory=dict)
+
+    @property
+    def factors(self) -> dict[str, float]:
+        return {t: r.factor for t, r in self.rates.items()}
 
 
-def _samples(rows: list[Row]) -> list[Sample]:
-    return [(row_features(r), row_time_us(r)) for r in rows]
+def _samples(rows: list[Row], cols: TypeColumns | None = None) -> list[Sample]:
+    if cols is None:
+        return [(row_features(r), row_time_us(r)) for r in rows]
+    f = cols.base_factors()
+    return [(row_features(r, f) + cols.extra(r), row_time_us(r)) for r in rows]
 
 
 # A bound in coefficient space: the fewest µs per unit (byte, FLOP) the device can
@@ -196,13 +202,14 @@ def _solve_pinned(
     notes: dict[str, str],
     src: str,
     mins: Bounds,
+    cols: TypeColumns | None = None,
 ) -> list[float]:
     """Fit; a throughput term the rows leave at zero cost (unbounded) is tied to the
     quantized one at the prior's ratio (the main one: fixed at the prior, with what is
     tied to it) and the rest refitted around it, not added on top of a fit that spent
     its time elsewhere. Ratios carry across a family better than absolute rates."""
     main = throughput[0]
-    c = solve_tied(_samples(rows), n_coef, ties, fixed)
+    c = solve_tied(_samples(rows, cols), n_coef, ties, fixed)
     for _ in throughput:
         bad = [i for i in throughput if c[i] <= 0 and i not in fixed and i not in ties]
         if not bad:
@@ -221,12 +228,12 @@ def _solve_pinned(
                     del ties[j]
                     fixed[j] = k * prior[i]
             notes[names[i]] = f"assumed (not pinned by the rows): {src}"
-        c = solve_tied(_samples(rows), n_coef, ties, fixed)
+        c = solve_tied(_samples(rows, cols), n_coef, ties, fixed)
 
     def refit(i: int, v: float) -> list[float]:
         ties.pop(i, None)
         fixed[i] = v
-        return solve_tied(_samples(rows), n_coef, ties, fixed)
+        return solve_tied(_samples(rows, cols), n_coef, ties, fixed)
 
     return _on_bound(c, mins, names, notes, refit)
 
@@ -250,9 +257,17 @@ def _tied_note(prior: Prior, why: str, base: str, alone: int = 1) -> str:
 
 
 def fit_decode(
-    rows: list[Row], prior: Prior, mins: Bounds | None = None
+    rows: list[Row], prior: Prior, mins: Bounds | None = None, cols: TypeColumns | None = None
 ) -> tuple[list[float], dict[str, str]]:
-    pc = prior.decode
+    """The decode coefficients (DECODE_FEATURES, then one per type in ``cols.fitted``:
+    the µs per byte of that type) and the notes on what is assumed."""
+    cols = cols or TypeColumns()
+    nc = 5 + len(cols.fitted)
+    pc = prior.decode + [prior.decode[D_Q] / cols.factors.get(t, 1.0) for t in cols.fitted]
+    names = DECODE_FIELDS + tuple(rate_name(t) for t in cols.fitted)
+    mn = dict(mins or {})  # a fitted type's bytes: the same bound as every quantized byte
+    if D_Q in mn:
+        mn |= {5 + j: mn[D_Q] for j in range(len(cols.fitted))}
     src = f"the {prior.anchor} fit" if prior.anchor else "no device to borrow from"
 
     ties: dict[int, tuple[int, float]] = {}
@@ -268,14 +283,19 @@ def fit_decode(
         ties[D_MOE] = (D_BLOCK, prior.ratio(pc, D_MOE, D_BLOCK, 0.0))
         notes["moe_layer_us"] = _tied_note(prior, "no MoE rows", "layer_us", 0)
     n = _distinct(rows)
+    if cols.fitted and (
+        nc - len(ties) > n - 2 or not full_rank(_samples(rows, cols), nc, ties, fixed)
+    ):
+        # Too few rows, or rows that do not separate a type's rate: every type at its prior.
+        return fit_decode(rows, prior, mins, TypeColumns(cols.factors))
     order = [D_MOE, D_KV, D_F16]
-    while 5 - len(ties) - len(fixed) > n and order:
+    while nc - len(ties) - len(fixed) > n and order:
         i = order.pop(0)
         if i not in ties:
             partner = D_BLOCK if i == D_MOE else D_Q
             ties[i] = (partner, prior.ratio(pc, i, partner, 1.0 if i != D_MOE else 0.0))
             notes[DECODE_FIELDS[i]] = f"assumed (too few rows): the ratio in {src}"
-    if 5 - len(ties) - len(fixed) > n and _block_share(rows[0], pc) >= 0.5:
+    if nc - len(ties) - len(fixed) > n and _block_share(rows[0], prior.decode) >= 0.5:
         # One row shape cannot split per-block cost from bandwidth: borrow from the
         # family anchor the term that explains less of its time, and fit the other,
         # so the borrowed term's error moves the prediction least. Per-block cost
@@ -283,22 +303,21 @@ def fit_decode(
         # anchor reaches, unless that leaves no per-block cost (then the bandwidth
         # alone explains the row); bandwidth explains more (a large model): the
         # anchor's per-block cost, below.
-        c = solve_tied(_samples(rows), 5, ties, {D_Q: pc[D_Q]})
+        c = solve_tied(_samples(rows, cols), nc, ties, {D_Q: pc[D_Q]})
         if c[D_BLOCK] > 0:
             notes["bw_gbs"] = f"assumed (too few rows): the spec share of {src}"
             return c, notes
         fixed[D_BLOCK] = 0.0
         notes["layer_us"] = "assumed (too few rows): 0, the bandwidth alone explains the row"
-    if (5 - len(ties) - len(fixed) > n or not full_rank(_samples(rows), 5, ties, fixed)) and (
-        D_BLOCK not in fixed
-    ):
+    if (
+        nc - len(ties) - len(fixed) > n or not full_rank(_samples(rows, cols), nc, ties, fixed)
+    ) and D_BLOCK not in fixed:
         # Every quantized row (or every F16 row) is one model shape: per-block cost and
         # bandwidth are collinear. Take the family anchor's per-block cost, fit the rest.
         _pin(fixed, ties, pc, D_BLOCK, D_MOE)
         notes["layer_us"] = f"assumed (rows do not separate it from bandwidth): {src}"
-    c = _solve_pinned(
-        rows, 5, ties, fixed, (D_Q, D_F16, D_KV), pc, DECODE_FIELDS, notes, src, mins or {}
-    )
+    through = (D_Q, D_F16, D_KV, *range(5, nc))
+    c = _solve_pinned(rows, nc, ties, fixed, through, pc, names, notes, src, mn, cols)
     return c, notes
 
 
@@ -411,19 +430,27 @@ def fit_device(
         scaled_note = "assumed: spec x prior efficiency (devices.toml), no per-block cost"
     notes: dict[str, str] = {}
     dmin, pmin = bounds(spec)
+    rates = family_rates(fam)
     if dec_rows:
-        dc, dn = fit_decode(dec_rows, prior, dmin)
-        notes |= dn
+        cols = TypeColumns({t: r.factor for t, r in rates.items()}, fittable(dec_rows))
+        dc, dn = fit_decode(dec_rows, prior, dmin, cols)
+        fitted = cols.fitted if len(dc) > 5 else ()
+        rates = fitted_rates(rates, TypeColumns(cols.factors, fitted), dc, D_Q, dn, len(dec_rows))
+        notes |= {k: v for k, v in dn.items() if not k.startswith("rate_")}
+        dc = dc[:5]
     else:
         notes["decode"] = scaled_note
         dc = _on_bound(prior.decode, dmin, DECODE_FIELDS, notes, _held(prior.decode))
+        fitted = ()
+    if tied_note(rates, fitted):
+        notes["weight_types"] = tied_note(rates, fitted)
     if pre_rows:
         pc, pn = fit_prefill(pre_rows, prior, pmin)
         notes |= pn
     else:
         notes["prefill"] = scaled_note
         pc = _on_bound(prior.prefill, pmin, PREFILL_FIELDS, notes, _held(prior.prefill))
-    return DeviceFit(dc, pc, notes, len(dec_rows), len(pre_rows))
+    return DeviceFit(dc, pc, notes, len(dec_rows), len(pre_rows), rates)
 
 
 def catalog_group(rows: list[Row], device: str) -> str:
@@ -481,8 +508,9 @@ def _fit_catalog(
 
 
 def predict_us(fit: DeviceFit, row: Row) -> float:
-    c = fit.decode if row.kind == "decode" else fit.prefill
-    return dot(c, row_features(row))
+    if row.kind == "decode":
+        return dot(fit.decode, row_features(row, fit.factors))
+    return dot(fit.prefill, row_features(row))
 
 
 def loo_fit(rows: list[Row], row: Row, spec: dict[str, dict[str, Any]]) -> DeviceFit:
@@ -492,63 +520,3 @@ def loo_fit(rows: list[Row], row: Row, spec: dict[str, dict[str, Any]]) -> Devic
     sub = {k: v for k, v in spec.items() if v["family"] == fam}
     rest = [r for r in rows if r.index != row.index and r.device in sub]
     return fit_units(rest, sub, (row.device, row.group))[(row.device, row.group)]
-
-
-# -- devices_fit.toml -----------------------------------------------------------------
-
-
-def terms(fit: DeviceFit) -> tuple[DecodeTerms, PrefillTerms]:
-    return decode_terms_from_coefs(fit.decode), prefill_terms_from_coefs(fit.prefill)
-
-
-def _fmt(v: float) -> str:
-    return f"{v:.6g}"
-
-
-def render_fit_toml(
-    fits: dict[str, DeviceFit], rows: list[Row], ranges: dict[str, dict[str, ErrorRange]]
-) -> str:
-    lines = [
-        "# GENERATED by scripts/fit_devices.py from linkctl/data/published_bench.toml;",
-        "# do not edit by hand (re-run the script; tests/test_devicefit.py checks this",
-        "# file is what the script writes). Terms: see linkctl/estimate/catalog.py DecodeTerms and",
-        "# PrefillTerms. `notes` names every term that is assumed rather than fitted; `range`",
-        "# is how far the fit was from rows it did not see (linkctl/estimate/ranges.py).",
-        "",
-    ]
-    for key, f in fits.items():
-        dec, pre = terms(f)
-        n_rows = f.n_decode + f.n_prefill
-        group = catalog_group(rows, key)
-        mine = [r for r in rows if r.device == key and not r.exclude]
-        srcs = sorted({r.source for r in mine if r.group == group})
-        older = sorted({r.group.split(":")[0] for r in mine if r.group != group})
-        summary = (
-            f"fitted to {f.n_decode} decode + {f.n_prefill} prefill public llama-bench rows"
-            if n_rows
-            else "assumed: no public llama-bench rows for this device"
-        )
-        if older:
-            summary += f" (older-build rows fitted apart, not used here: {', '.join(older)})"
-        lines += [f"[{key}]", f'summary = "{summary}"']
-        if srcs:
-            lines.append("sources = [" + ", ".join(f'"{s}"' for s in srcs) + "]")
-            builds = sorted({r.build for r in mine if r.group == group})
-            nums = sorted({n for b in builds for n in build_numbers(b)})
-            lines.append('build = "' + "; ".join(builds).replace('"', "'") + '"')
-            lines.append("build_numbers = [" + ", ".join(map(str, nums)) + "]")
-        lines.append(f"[{key}.decode]")
-        lines += [f"{n} = {_fmt(getattr(dec, n))}" for n in DECODE_FIELDS]
-        lines.append(f"[{key}.prefill]")
-        lines += [f"{n} = {_fmt(getattr(pre, n))}" for n in PREFILL_FIELDS]
-        if f.notes:
-            lines.append(f"[{key}.notes]")
-            lines += [f'{n} = "{v}"' for n, v in f.notes.items()]
-        if ranges.get(key):
-            lines.append(f"[{key}.range]")
-            lines += [
-                f'{kind} = {{ err = {_fmt(g.err)}, n = {g.n}, pool = "{g.pool}" }}'
-                for kind, g in ranges[key].items()
-            ]
-        lines.append("")
-    return "\n".join(lines)

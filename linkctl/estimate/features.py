@@ -7,8 +7,11 @@ unit of each feature). Time is the dot product of the two, so the estimate
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from linkctl.estimate.catalog import DecodeTerms, Device, PrefillTerms
-from linkctl.gguf.info import ModelInfo
+from linkctl.gguf.info import UNQUANTIZED_TYPES, ModelInfo
+from linkctl.gguf.reader import type_name
 
 DEFAULT_UBATCH = 512  # llama.cpp's default micro-batch (-ub)
 
@@ -95,6 +98,28 @@ def dot(coefs: list[float], feats: list[float]) -> float:
     return sum(a * b for a, b in zip(coefs, feats, strict=True))
 
 
+def weight_type_bytes(model: ModelInfo, layers: list[int], holds_output: bool) -> dict[int, float]:
+    """Weight bytes one token reads on a device holding ``layers`` (+ the output head), by
+    ggml type id (a Q4_K_M file mixes Q4_K, Q6_K, F32 ...)."""
+    out: dict[int, float] = {}
+    st = model.block_stats
+    for il in layers:
+        for t, b in st[il].type_bytes:
+            out[t] = out.get(t, 0.0) + b
+    if holds_output:
+        for t, b in model.output_type_bytes.items():
+            out[t] = out.get(t, 0.0) + b
+    return out
+
+
+def priced_quant_bytes(by_type: Mapping[int, float], factors: Mapping[str, float]) -> float:
+    """The quantized weight bytes in reference-type (Q8_0) equivalents: each type's bytes
+    over its read-rate factor (linkctl.estimate.kernel_rates; a type without one: 1)."""
+    return sum(
+        b / factors.get(type_name(t), 1.0) for t, b in by_type.items() if t not in UNQUANTIZED_TYPES
+    )
+
+
 def decode_features(
     model: ModelInfo,
     layers: list[int],
@@ -103,12 +128,15 @@ def decode_features(
     ubatch: int = DEFAULT_UBATCH,
     flash_attn: bool = True,
     skips_masked: bool = False,
+    factors: Mapping[str, float] | None = None,
 ) -> list[float]:
     """DECODE_FEATURES for one token on a device holding ``layers`` (+ the output head);
     ``ubatch`` sizes a sliding-window block's cache and ``skips_masked`` says whether the
     backend reads only its window of it (ModelInfo.kv_positions, skips_masked_kv); the
     KV feature is the attention's bytes, which depend on the flash-attention path
-    (ModelInfo.attn_bytes_per_position; llama-server defaults to it)."""
+    (ModelInfo.attn_bytes_per_position; llama-server defaults to it). ``factors``: the
+    device's read rate of each quantized ggml type relative to Q8_0 (by type name), so
+    the quantized feature is Q8_0-equivalent bytes (priced_quant_bytes); None: raw bytes."""
     st = model.block_stats
     q = sum(st[il].quant_bytes for il in layers)
     f = sum(st[il].f16_bytes for il in layers)
@@ -119,6 +147,8 @@ def decode_features(
     if holds_output:
         oq, of = model.output_split
         q, f = q + oq, f + of
+    if factors:
+        q = priced_quant_bytes(weight_type_bytes(model, layers, holds_output), factors)
     return [float(len(layers)), float(moe), q, f, kv]
 
 

@@ -42,6 +42,9 @@ class BlockStats:
     dense_f16_flops: float
     expert_flops: float  # routed experts in use
     moe: bool
+    # The bytes read per token by ggml type id (routed experts scaled as above): what the
+    # estimate prices per type (linkctl.estimate.weight_types).
+    type_bytes: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -74,6 +77,7 @@ class ModelInfo:
         frac = self.expert_used_count / self.expert_count if self.expert_count else 1.0
         acc = [[0.0] * 5 for _ in range(self.block_count)]
         moe = [False] * self.block_count
+        by_type: list[dict[int, float]] = [{} for _ in range(self.block_count)]
         for t in self.tensors:
             li = t.layer
             if li is None or li >= self.block_count:
@@ -81,22 +85,38 @@ class ModelInfo:
             a = acc[li]
             share = frac if t.is_expert else 1.0
             a[1 if t.type_id in UNQUANTIZED_TYPES else 0] += t.nbytes * share
+            by_type[li][t.type_id] = by_type[li].get(t.type_id, 0.0) + t.nbytes * share
             if len(t.shape) >= 2:
                 if t.is_expert:
                     a[4] += 2.0 * t.nelements * frac
                     moe[li] = True
                 else:
                     a[3 if t.type_id in UNQUANTIZED_TYPES else 2] += 2.0 * t.nelements
-        return [BlockStats(a[0], a[1], a[2], a[3], a[4], m) for a, m in zip(acc, moe, strict=True)]
+        return [
+            BlockStats(a[0], a[1], a[2], a[3], a[4], m, tuple(sorted(bt.items())))
+            for a, m, bt in zip(acc, moe, by_type, strict=True)
+        ]
+
+    def _output_tensors(self) -> list[TensorInfo]:
+        own = [t for t in self.tensors if t.layer is None and t.name.startswith("output")]
+        if not any(t.name == "output.weight" for t in self.tensors):
+            own += [t for t in self.tensors if t.name.startswith("token_embd")]
+        return own
 
     @property
     def output_split(self) -> tuple[int, int]:
         """(quantized, unquantized) bytes of the output head (output_bytes)."""
-        own = [t for t in self.tensors if t.layer is None and t.name.startswith("output")]
-        if not any(t.name == "output.weight" for t in self.tensors):
-            own += [t for t in self.tensors if t.name.startswith("token_embd")]
+        own = self._output_tensors()
         f = sum(t.nbytes for t in own if t.type_id in UNQUANTIZED_TYPES)
         return sum(t.nbytes for t in own) - f, f
+
+    @cached_property
+    def output_type_bytes(self) -> dict[int, float]:
+        """The output head's bytes by ggml type id (output_split, per type)."""
+        out: dict[int, float] = {}
+        for t in self._output_tensors():
+            out[t.type_id] = out.get(t.type_id, 0.0) + t.nbytes
+        return out
 
     @cached_property
     def _swa(self) -> frozenset[int]:

@@ -79,6 +79,15 @@ def quant_sizes() -> dict[int, tuple[int, int]]:
 
 
 @cache
+def type_name(type_id: int) -> str:
+    """The ggml type's name as llama.cpp prints it (Q4_K, Q8_0, F16, MXFP4, ...)."""
+    try:
+        return str(_constants().GGMLQuantizationType(type_id).name)
+    except ValueError:
+        return f"type{type_id}"
+
+
+@cache
 def known_architectures() -> frozenset[str]:
     return frozenset(_constants().MODEL_ARCH_NAMES.values())
 

@@ -11,7 +11,8 @@ import pytest
 
 from linkctl.estimate.catalog import fit_path, load_catalog, load_spec
 from linkctl.estimate.cost import GIB, Participant, estimate
-from linkctl.estimate.devicefit import fit_all, predict_us, render_fit_toml
+from linkctl.estimate.devicefit import fit_all, predict_us
+from linkctl.estimate.fitfile import render_fit_toml
 from linkctl.estimate.published import load_rows, row_model, row_time_us
 from support.paths import REPO
 

@@ -12,8 +12,15 @@ from pathlib import Path
 
 # ggml type ids and (block, bytes per block), written out here so the tests check
 # the reader against an independent table rather than the one it uses.
-F32, F16, Q4_K, Q6_K, Q8_0 = 0, 1, 12, 14, 8
-BLOCK = {F32: (1, 4), F16: (1, 2), Q4_K: (256, 144), Q6_K: (256, 210), Q8_0: (32, 34)}
+F32, F16, Q4_0, Q4_K, Q6_K, Q8_0 = 0, 1, 2, 12, 14, 8
+BLOCK = {
+    F32: (1, 4),
+    F16: (1, 2),
+    Q4_0: (32, 18),
+    Q4_K: (256, 144),
+    Q6_K: (256, 210),
+    Q8_0: (32, 34),
+}
 
 
 def nbytes(shape: tuple[int, ...], t: int) -> int:
