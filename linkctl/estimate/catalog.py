@@ -40,6 +40,18 @@ _FIELDS = (
 )
 FAMILIES = ("apple", "nvidia", "cpu")
 
+# A fit note's first words say what the fit did with the term (devicefit writes them,
+# devices_fit.toml stores them): the one place that reads them back.
+ASSUMED = "assumed"
+ON_BOUND = "on its physical bound"
+
+
+def fit_kind(fit_note: str) -> str:
+    """ "assumed", "on bound" or "fitted": what a term's note in devices_fit.toml says."""
+    if fit_note.startswith(ASSUMED):
+        return "assumed"
+    return "on bound" if fit_note.startswith(ON_BOUND) else "fitted"
+
 
 @dataclass(frozen=True)
 class DecodeTerms:
@@ -113,7 +125,7 @@ class Device:
         calibrated host's measured terms are its own."""
         if self.calibration:
             return []
-        return sorted(k for k, v in self.fit.items() if v.startswith("on its physical bound"))
+        return sorted(k for k, v in self.fit.items() if fit_kind(v) == "on bound")
 
     def error_range(self, kind: str) -> ErrorRange:
         return self.ranges.get(kind, NONE)

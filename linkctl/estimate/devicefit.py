@@ -31,6 +31,7 @@ from typing import Any
 from linkctl.core.errors import InputError
 from linkctl.estimate.catalog import (
     DECODE_FIELDS,
+    ON_BOUND,
     PREFILL_FIELDS,
     load_spec,
     prior_terms,
@@ -175,7 +176,7 @@ def _on_bound(
         if not over:
             break
         i = over[0]
-        notes[names[i]] = f"on its physical bound: {mins[i][1]}"
+        notes[names[i]] = f"{ON_BOUND}: {mins[i][1]}"
         c = refit(i, mins[i][0])
     return c
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from linkctl.estimate.catalog import fit_kind
 from linkctl.estimate.features import weight_type_bytes
 from linkctl.estimate.kernel_rates import REFERENCE, TypeRate
 from linkctl.estimate.published import Row, row_model
@@ -86,7 +87,9 @@ def fitted_rates(
         c = coefs[base + j]
         factor = coefs[q_index] / c if c > 0 else cols.factors.get(t, 1.0)
         note = notes.get(rate_name(t), "")
-        how = "assumed" if note.startswith("assumed") else "fitted"
+        how = {"assumed": "assumed", "on bound": "fitted, on its bound"}.get(
+            fit_kind(note), "fitted"
+        )
         src = note or f"fitted to {n_rows} decode rows (rows of two or more models hold {t})"
         out[t] = TypeRate(factor, how, src)
     return out
