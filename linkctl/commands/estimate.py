@@ -123,7 +123,7 @@ def register(app: typer.Typer) -> None:
           linkctl estimate --model /models/qwen3-235b-q4.gguf --ctx 32768 --depth 8192
           linkctl estimate --model /models/70b.gguf --rtt-us 150 --throughput-gbps 9.4
         """
-        from linkctl.estimate.run import parse_split, run_estimate
+        from linkctl.estimate.run import parse_split, run_estimate, served_for
 
         prof, path = load(profile)
         est = run_estimate(
@@ -156,10 +156,13 @@ def register(app: typer.Typer) -> None:
             )
         from linkctl.estimate import report
 
+        # What llama-server delivers beside the llama-bench figures (the serving overhead).
+        sv = served_for(prof, est, calibration or [])
         if json_out:
-            emit_json(report.as_json(est, de), path)
+            emit_json(report.as_json(est, de) | {"llama_server": sv.as_dict()}, path)
         else:
             report.render(est)
+            report.render_served(sv)
             if de:
                 report.render_serving(de)
 

