@@ -35,7 +35,7 @@ def measure(
     say: Callable[[str], None] | None = None,
 ) -> Measurements:
     """``say`` gets one line per step (progress)."""
-    from linkctl.gguf.tiny import TinySpec, write_tiny_llama
+    from linkctl.gguf.tiny import write_tiny_llama
 
     runner = runner or default_runner()
     say = say or (lambda _line: None)
@@ -43,7 +43,7 @@ def measure(
     for m in plan.models:
         if m.spec and not Path(m.path).is_file():
             say(f"writing {m.path}")
-            write_tiny_llama(m.path, TinySpec(**m.spec))
+            write_tiny_llama(m.path, m.spec)
 
     # All servers up at once and the timed requests interleaved (A, B, A, B, ...), so a
     # burst of other load on the host hits every model alike instead of skewing the solve.

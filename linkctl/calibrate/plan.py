@@ -11,7 +11,7 @@ calibrate_measure.measure runs it; calibrate.record turns the figures into the r
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -44,8 +44,10 @@ MAX_CONTEXT = 2048
 class PlannedModel(BaseModel):
     path: str
     # A generated model: its shape, and whether measure writes it (False: already there).
-    spec: dict[str, int] | None = None
+    spec: TinySpec | None = None
     to_write: bool = False
+    # A given model read mostly quantized: timed for its types' rate (reads_quantized).
+    quantized: bool = False
 
     @property
     def generated(self) -> bool:
@@ -138,6 +140,20 @@ def extra_models(given: list, kind: str = "cpu") -> tuple[TinySpec, ...]:
     pair = GENERATED["gpu" if m.total_bytes > 300e6 else "cpu"]
     r = math.log(_blocks_per_byte(m))
     return (max(pair, key=lambda spec: abs(math.log(_spec_blocks_per_byte(spec)) - r)),)
+
+
+# A given model whose quantized weights are at least this share of the bytes it reads per
+# token is timed for its types' read rate, not for the two-term solve (linkctl.calibrate.
+# solve): the solve's one bandwidth is the F32 one.
+QUANTIZED_SHARE = 0.2
+
+
+def reads_quantized(model) -> bool:
+    """Whether a model (ModelInfo) reads mostly quantized weights per token."""
+    from linkctl.estimate.features import decode_features
+
+    f = decode_features(model, list(range(model.block_count)), True, 0.0)
+    return f[2] >= QUANTIZED_SHARE * (f[2] + f[3]) > 0
 
 
 def generated_path(workdir: Path, spec: TinySpec) -> Path:
@@ -236,11 +252,14 @@ def plan(
             "run scripts/build-llama.sh or pass --llama-bin-dir DIR",
         )
     workdir = state_dir() / "calibrate"
-    specs = extra_models([info for _, info in given], dev.kind)
-    models = [PlannedModel(path=str(mp)) for mp, _ in given] + [
+    # Quantized given models are timed for their types' rates; the two-term solve takes
+    # the unquantized ones, and generated F32 models until there are two.
+    plain = [info for _, info in given if not reads_quantized(info)]
+    specs = extra_models(plain, dev.kind)
+    models = [PlannedModel(path=str(mp), quantized=reads_quantized(i)) for mp, i in given] + [
         PlannedModel(
             path=str(generated_path(workdir, s)),
-            spec=asdict(s),
+            spec=s,
             to_write=not generated_path(workdir, s).is_file(),
         )
         for s in specs
@@ -324,11 +343,12 @@ def render_plan(p: CalibrationPlan) -> None:
         if m.spec:
             what = "write" if m.to_write else "reuse"
             lines.append(
-                f"  {m.path}: generated ({what}), {m.spec['n_layer']} blocks x "
-                f"{m.spec['n_embd']} wide, F32"
+                f"  {m.path}: generated ({what}), {m.spec.n_layer} blocks x "
+                f"{m.spec.n_embd} wide, {m.spec.wtype}"
             )
         else:
-            lines.append(f"  {m.path}: given")
+            why = " (quantized: timed for its weight types' read rate)" if m.quantized else ""
+            lines.append(f"  {m.path}: given{why}")
     lines.append(f"result to {p.saves_to} (host {p.host}), logs in {p.workdir}")
     for line in lines:
         console.print(escape(f"# {line}"))

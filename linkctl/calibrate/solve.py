@@ -12,8 +12,15 @@
    two models (or more) of different shape: t = blocks x layer_us + bytes / bw for
    each, bytes per token from the GGUF header exactly as the estimate counts them
    (active weights + output head + KV cache at the mean context of the run). The
-   models are the given --model(s) plus generated ones (linkctl.gguf.tiny: 24 thin
-   blocks, 2 wide blocks) until two differ in blocks per byte.
+   models are the unquantized given --model(s) plus generated ones (linkctl.gguf.tiny:
+   24 thin blocks, 2 wide blocks) until two differ in blocks per byte.
+   A given model that reads mostly quantized weights (calibrate.plan.reads_quantized)
+   is the host's measure of its types: its time less the two terms' share (per-block
+   cost, its F32/F16 and KV bytes at bw) is its quantized bytes' read time, so their
+   rate, as a factor of bw, is the record's weight_rates for each type it holds (one
+   rate for the types one model reads together: it cannot tell them apart). The
+   estimate then prices those types on this host by the measured rate, not the
+   catalog's prior (estimate.catalog.apply_calibration).
 3. effective prefill compute = FLOPs per prompt x prefill tok/s, on the model
    with the most FLOPs.
 4. ``--rpc``: the same model through a ggml-rpc-server on 127.0.0.1 (all layers
@@ -38,9 +45,9 @@ from pathlib import Path
 from typing import Any
 
 from linkctl.calibrate.measure import Measurements
-from linkctl.calibrate.plan import CalibrationPlan
+from linkctl.calibrate.plan import CalibrationPlan, reads_quantized
 from linkctl.core.errors import CheckFailed
-from linkctl.core.records import CalibrationRecord, dump
+from linkctl.core.records import CalibrationRecord, WeightRate, dump
 from linkctl.llama.client import Timing
 
 
@@ -66,6 +73,36 @@ def solve_two_terms(
             f"({points}); the host was too busy, re-run"
         )
     return c, 1e-3 / inv_bw
+
+
+def type_rates(
+    info, run: Timing, x: dict[str, Any], layer_us: float, bw: float
+) -> dict[str, WeightRate]:
+    """A quantized model's types' read rate: its per-token time less what the two terms
+    price (per-block cost, its F32/F16 and KV bytes at ``bw``) reads its quantized bytes.
+    Every type holding at least QUANTIZED_SHARE of them gets that one rate."""
+    from linkctl.calibrate.plan import QUANTIZED_SHARE
+    from linkctl.estimate.features import decode_features, weight_type_bytes
+    from linkctl.gguf.info import UNQUANTIZED_TYPES
+    from linkctl.gguf.reader import type_name
+
+    layers = list(range(info.block_count))
+    f = decode_features(info, layers, True, run.prompt_n + run.predicted_n / 2)
+    q_us = x["per_token_us"] - info.block_count * layer_us - (f[3] + f[4]) / (bw * 1e3)
+    if q_us <= 0:
+        raise CheckFailed(
+            f"calibration: {x['model_name']} decoded faster than the F32 terms price its "
+            f"other bytes alone ({x['per_token_us']:.0f} µs a token); the host was too "
+            "busy, re-run"
+        )
+    gbs = f[2] / q_us / 1e3
+    by_type: dict[str, float] = {}
+    for t, b in weight_type_bytes(info, layers, True).items():
+        if t not in UNQUANTIZED_TYPES:
+            by_type[type_name(t)] = by_type.get(type_name(t), 0.0) + b
+    held = sorted(t for t, b in by_type.items() if b >= QUANTIZED_SHARE * f[2])
+    name = str(x["model_name"])
+    return {t: WeightRate(factor=gbs / bw, gbs=gbs, model=name, together=held) for t in held}
 
 
 def record(plan: CalibrationPlan, m: Measurements) -> CalibrationRecord:
@@ -98,13 +135,23 @@ def record(plan: CalibrationPlan, m: Measurements) -> CalibrationRecord:
                 "prompt_n": best.prompt_n,
                 "runs": [asdict(r) for r in model_runs],
                 "generated": pm.generated,
+                "quantized": reads_quantized(info),
             }
         )
     layer_us, bw = solve_two_terms(
-        [(x["blocks"], x["bytes_per_token"], x["per_token_us"]) for x in measured]
+        [
+            (x["blocks"], x["bytes_per_token"], x["per_token_us"])
+            for x in measured
+            if not x["quantized"]
+        ]
     )
-    for x in measured:
+    rates: dict[str, WeightRate] = {}
+    for x, info, model_runs in zip(measured, infos, m.runs, strict=True):
         x["predicted_us"] = x["blocks"] * layer_us + x["bytes_per_token"] / (bw * 1e3)
+        if x["quantized"]:
+            for t, r in type_rates(info, typical_run(model_runs), x, layer_us, bw).items():
+                rates.setdefault(t, r)
+            x["predicted_us"] = x["per_token_us"]  # its types' rate is what it measured
     # Prefill compute: from the model with the most FLOPs per prompt (the per-micro-batch
     # fixed cost is not separated here; it is small against a whole prompt's FLOPs).
     flops = [
@@ -133,6 +180,7 @@ def record(plan: CalibrationPlan, m: Measurements) -> CalibrationRecord:
         "layer_us": layer_us,
         "effective_bandwidth_gbs": bw,
         "effective_tflops": tflops,
+        "weight_rates": rates,
         "catalog_layer_us": plan.catalog_layer_us,
         "catalog_effective_bandwidth_gbs": plan.catalog_effective_bandwidth_gbs,
         "llama_server": plan.llama_server,
@@ -185,6 +233,14 @@ def render_calibration(rec: dict[str, Any]) -> None:
         f"{rec.get('catalog_layer_us', 0):.1f} µs + bytes / "
         f"{rec['catalog_effective_bandwidth_gbs']:.1f} GB/s)"
     )
+    for t, r in rec.get("weight_rates", {}).items():
+        with_ = (
+            f" (read together with {', '.join(r['together'])})" if len(r["together"]) > 1 else ""
+        )
+        console.print(
+            f"  {t} weights: {r['gbs']:.1f} GB/s = {r['factor']:.2f} x that bandwidth, on "
+            f"{r['model']}{with_}"
+        )
     if rec.get("effective_tflops"):
         console.print(
             f"  prefill {rec['prefill_tok_s']:.0f} tok/s = "

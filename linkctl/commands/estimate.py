@@ -173,8 +173,10 @@ def register(app: typer.Typer) -> None:
             typer.Option(
                 "--model",
                 "-m",
-                help="A .gguf to measure on (repeatable). Generated test models are added "
-                "until two differ in shape (default: two generated models only).",
+                help="A .gguf to measure on (repeatable). A quantized one (Q4_K_M, Q8_0, "
+                "...) is timed for its weight types' read rate, which estimate then uses on "
+                "this host; unquantized ones join the two-term solve. Generated F32 models "
+                "are added until two differ in shape (default: two generated models only).",
                 show_default=False,
             ),
         ] = None,
@@ -213,7 +215,8 @@ def register(app: typer.Typer) -> None:
         json_out: JsonOpt = False,
     ) -> None:
         """Measure this host's decode terms (fixed cost per block and effective bandwidth,
-        solved from two models of different shape) and prefill compute with llama-server,
+        solved from two models of different shape), the read rate of the weight types of
+        the model you will serve (--model it) and prefill compute with llama-server,
         and store them so `linkctl estimate` uses them instead of the catalog, in the
         state directory's calibration.json (once root's /var/lib/linkctl exists, with sudo).
 

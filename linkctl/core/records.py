@@ -114,6 +114,16 @@ class RttStats(_Part):
     samples: int | None = None
 
 
+class WeightRate(_Part):
+    """A quantized ggml type's read rate `linkctl calibrate` measured on a given model:
+    GB/s, and as a factor of the record's bandwidth (the estimate's bw_gbs then)."""
+
+    factor: float
+    gbs: float
+    model: str
+    together: list[str] = Field(default_factory=list)  # the types the model read together
+
+
 class CalibrationRecord(_Part):
     """The terms `linkctl calibrate` measured on one host (plus the raw runs)."""
 
@@ -129,6 +139,8 @@ class CalibrationRecord(_Part):
     effective_tflops: float | None = None
     rpc_effective_bandwidth_gbs: float | None = None
     rpc_overhead_us: float | None = None
+    # The quantized types of the given model(s), by ggml type name (linkctl.calibrate.solve).
+    weight_rates: dict[str, WeightRate] = Field(default_factory=dict)
 
     def terms(self) -> CalibrationRecord:
         """The record without its raw runs: what the responder hands the peer (the

@@ -307,9 +307,10 @@ def get_device(catalog: dict[str, Device], key: str | None, where: str) -> Devic
 
 def apply_calibration(dev: Device, record: CalibrationRecord | None) -> Device:
     """This host's measured terms replace the catalog's: the per-block cost and the
-    bandwidth (both weight classes: calibrate measures on F32 weights and on the given
-    model), and the prefill compute when measured. Terms calibrate does not measure
-    (MoE, KV) keep the catalog's ratio to the bandwidth."""
+    bandwidth (both weight classes: calibrate measures on F32 weights), the read rate of
+    each quantized type a given model held (its factor of that bandwidth), and the
+    prefill compute when measured. Terms calibrate does not measure (MoE, KV, types no
+    given model held) keep the catalog's ratio to the bandwidth."""
     if record is None or not record.effective_bandwidth_gbs:
         return dev
     bw = float(record.effective_bandwidth_gbs)
@@ -333,7 +334,16 @@ def apply_calibration(dev: Device, record: CalibrationRecord | None) -> Device:
             moe_tflops=pre.moe_tflops * k,
             attn_tflops=pre.attn_tflops * k,
         )
-    return replace(dev, decode=dec, prefill=pre, calibration=record)
+    rates = dict(dev.weight_rates)
+    for t, r in record.weight_rates.items():
+        with_ = f", read together with {', '.join(r.together)}" if len(r.together) > 1 else ""
+        rates[t] = TypeRate(
+            r.factor,
+            "calibrated",
+            f"measured by linkctl calibrate on {r.model} ({record.measured_at}): "
+            f"{r.gbs:.1f} GB/s{with_}",
+        )
+    return replace(dev, decode=dec, prefill=pre, calibration=record, weight_rates=rates)
 
 
 def rpc_role(dev: Device, record: CalibrationRecord | None) -> Device | None:

@@ -28,8 +28,9 @@ REFERENCE = "Q8_0"
 class TypeRate:
     """A type's read rate relative to the reference type, and where it comes from:
     ``how`` is "prior", "assumed" (no figure: a stated rule), "fitted" (the device's
-    rows), "fitted, on its bound" (held at the device's physical read bound) or "none"
-    (no prior: the reference rate); ``source`` says which."""
+    rows), "fitted, on its bound" (held at the device's physical read bound),
+    "calibrated" (measured on this host by `linkctl calibrate --model`) or "none" (no
+    prior: the reference rate); ``source`` says which."""
 
     factor: float
     how: str

@@ -26,9 +26,12 @@ def type_rate(dev: Device, type_id: int) -> TypeRate:
     if type_id in UNQUANTIZED_TYPES:
         note = dev.fit.get("bw_f16_gbs") or "fitted to the device's F16 rows"
         if dev.calibration:
-            note = "calibrated on this host (one bandwidth for every weight type)"
+            note = "calibrated on this host (its bandwidth, measured on F32 models)"
         return TypeRate(d.bw_f16_gbs / d.bw_gbs if d.bw_gbs else 1.0, "f16 term", note)
     name = type_name(type_id)
+    measured = dev.weight_rates.get(name)
+    if measured and measured.how == "calibrated":  # beats the reference and the priors
+        return measured
     if name == REFERENCE:
         return TypeRate(1.0, "reference", f"{REFERENCE} is read at bw_gbs")
     return dev.weight_rates.get(name, NO_PRIOR)

@@ -42,6 +42,9 @@ class TinySpec:
     seed: int = 0
     sliding_window: int = 0  # > 0: a gemma2 (see the module's note)
     n_vocab: int = 0  # 0: the 259 special and byte tokens only; else that many tokens
+    # The blocks' weight matrices' ggml type (norms, embeddings and output stay F32):
+    # `linkctl calibrate` times generated models of a quantized type beside F32 ones.
+    wtype: str = "F32"
 
     def check(self) -> None:
         small = self.n_layer < 1 or self.n_embd < 8 or self.n_ff < 8 or self.n_ctx < 16
@@ -51,6 +54,17 @@ class TinySpec:
             raise InputError(
                 f"tiny model: n_vocab {self.n_vocab} is outside {N_VOCAB}..{MAX_VOCAB}",
                 f"use 0 (the {N_VOCAB} byte-level tokens) or a size in that range",
+            )
+        if self.wtype not in WEIGHT_TYPES:
+            raise InputError(
+                f"tiny model: wtype {self.wtype!r} is not one the writer quantizes",
+                f"use one of {', '.join(WEIGHT_TYPES)}",
+            )
+        if self.wtype != "F32" and (self.n_embd % 32 or self.n_ff % 32):
+            raise InputError(
+                f"tiny model: {self.wtype} needs n_embd and n_ff multiples of 32 (its block), "
+                f"not {self.n_embd} and {self.n_ff}",
+                "use sizes that are multiples of 32",
             )
         if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
             raise InputError(
@@ -66,6 +80,9 @@ class TinySpec:
 N_SPECIAL = 3  # <unk>, <s>, </s>
 N_VOCAB = N_SPECIAL + 256
 MAX_VOCAB = 262_144  # gemma3's 262k, the largest vocabulary in common use
+# The types gguf-py's numpy quantizer writes (gguf/quants.py; K-quants it only reads),
+# with the llama file type each makes.
+WEIGHT_TYPES = ("F32", "Q8_0", "Q4_0")
 BOS_ID, EOS_ID, UNK_ID = 1, 2, 0
 
 
@@ -133,6 +150,11 @@ def write_tiny_llama(path: str | Path, spec: TinySpec | None = None) -> dict[str
                 p + "post_ffw_norm.weight": ones(e),
             }
 
+    matrices = (".attn_q.", ".attn_k.", ".attn_v.", ".attn_output.", ".ffn_gate.", ".ffn_up.")
+    quantized = [n for n in tensors if n.startswith("blk.") and any(m in n for m in matrices)]
+    quantized += [n for n in tensors if n.endswith(".ffn_down.weight")]
+    qtype = gguf.GGMLQuantizationType[spec.wtype]
+
     with atomic_path(path) as tmp:
         arch = "gemma2" if swa else "llama"
         writer = gguf.GGUFWriter(str(tmp), arch)
@@ -150,7 +172,8 @@ def write_tiny_llama(path: str | Path, spec: TinySpec | None = None) -> dict[str
         writer.add_rope_freq_base(10000.0)
         writer.add_layer_norm_rms_eps(1e-5)
         writer.add_vocab_size(v)
-        writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+        ftype = {"F32": "ALL_F32", "Q8_0": "MOSTLY_Q8_0", "Q4_0": "MOSTLY_Q4_0"}[spec.wtype]
+        writer.add_file_type(gguf.LlamaFileType[ftype])
 
         tokens, scores, types = vocab(v)
         writer.add_tokenizer_model("llama")
@@ -163,7 +186,10 @@ def write_tiny_llama(path: str | Path, spec: TinySpec | None = None) -> dict[str
         writer.add_add_bos_token(True)
         writer.add_add_eos_token(False)
         for name, arr in tensors.items():
-            writer.add_tensor(name, arr)
+            if spec.wtype != "F32" and name in quantized:
+                writer.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+            else:
+                writer.add_tensor(name, arr)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()

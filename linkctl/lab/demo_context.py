@@ -27,11 +27,12 @@ from linkctl.core.errors import CheckFailed, InputError
 from linkctl.core.profile import Profile
 from linkctl.core.records import ServeStatus, load_status, status_path
 from linkctl.core.runner import Result, Runner
+from linkctl.gguf.tiny import TinySpec
 from linkctl.lab import netns
 
 # Big enough that a token is memory-bound work (110 MB of F32 weights read per
 # token), small enough to write in a second and decode at tens of tok/s on one core.
-MODEL_SPEC = {"n_layer": 8, "n_embd": 512, "n_head": 8, "n_ff": 1536, "n_ctx": 1024}
+MODEL_SPEC = TinySpec(n_layer=8, n_embd=512, n_head=8, n_ff=1536, n_ctx=1024)
 PROMPT = "The cable between two machines carries the activations of every token. "
 
 
@@ -50,7 +51,7 @@ class DemoOptions:
             raise InputError(
                 f"--delay-ms {self.delay_ms:g} is outside 0..100", "e.g. --delay-ms 0.5"
             )
-        ctx_left = MODEL_SPEC["n_ctx"] - len(PROMPT.encode()) - 8
+        ctx_left = MODEL_SPEC.n_ctx - len(PROMPT.encode()) - 8
         if not 8 <= self.tokens <= ctx_left:
             raise InputError(
                 f"--tokens {self.tokens} is outside 8..{ctx_left} (the demo model's context)",

@@ -105,7 +105,7 @@ class WriteProfiles(Step):
         # The lab profile, as `lab up` writes it (ctx.lab.profile_path).
         data = netns.remap_profile(ctx.profile).to_toml_dict()
         t = ctx.opts.threads
-        data["serve"] |= {"model": str(ctx.model_path), "ctx": MODEL_SPEC["n_ctx"], "threads": t}
+        data["serve"] |= {"model": str(ctx.model_path), "ctx": MODEL_SPEC.n_ctx, "threads": t}
         for h in data["hosts"]:
             h.setdefault("rpc", {})["threads"] = t
         if ctx.rate_bps:
@@ -303,9 +303,9 @@ class TinyModel(Step):
     title = "write a tiny random-weight llama GGUF"
 
     def run(self, ctx: DemoContext) -> str:
-        from linkctl.gguf.tiny import TinySpec, write_tiny_llama
+        from linkctl.gguf.tiny import write_tiny_llama
 
-        m = write_tiny_llama(ctx.model_path, TinySpec(**MODEL_SPEC))
+        m = write_tiny_llama(ctx.model_path, MODEL_SPEC)
         ctx.report.model = ModelInfo(**{k: m[k] for k in ("bytes", "n_layer", "n_embd", "params")})
         return f"{m['n_layer']} layers, {m['bytes'] / 1e6:.0f} MB F32"
 

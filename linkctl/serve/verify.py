@@ -25,6 +25,7 @@ from linkctl.core.log import Say, quiet
 from linkctl.core.profile import Profile
 from linkctl.core.runner import Children, Runner, default_runner
 from linkctl.gguf.info import ModelInfo
+from linkctl.gguf.tiny import TinySpec
 from linkctl.llama.bins import LlamaBins
 from linkctl.llama.client import LlamaServer
 from linkctl.llama.invocation import split_text
@@ -60,7 +61,7 @@ PROMPTS = (
 
 
 # The default model: small enough to load and run in a second, big enough to split.
-TINY = {"n_layer": 6, "n_embd": 128, "n_head": 4, "n_ff": 384, "n_ctx": 512}
+TINY = TinySpec(n_layer=6, n_embd=128, n_head=4, n_ff=384, n_ctx=512)
 
 
 @dataclass
@@ -165,25 +166,24 @@ class VerifyReport:
         }
 
 
-DEFAULT_SOURCE = f"default: tiny random-weight llama written by linkctl ({TINY['n_layer']} layers)"
+DEFAULT_SOURCE = f"default: tiny random-weight llama written by linkctl ({TINY.n_layer} layers)"
 
 
 def default_model_path() -> Path:
     """Where the default model lives: written once to the state dir (same bytes every time)."""
     from linkctl.core.paths import state_dir
-    from linkctl.gguf.tiny import TinySpec
 
-    s = TinySpec(**TINY)
+    s = TINY
     return state_dir() / "verify" / f"tiny-{s.n_layer}L-{s.n_embd}d-seed{s.seed}.gguf"
 
 
 def default_model() -> tuple[str, str]:
     """The tiny random-weight GGUF, written to the state dir if it is not there yet."""
-    from linkctl.gguf.tiny import TinySpec, write_tiny_llama
+    from linkctl.gguf.tiny import write_tiny_llama
 
     path = default_model_path()
     if not path.is_file():
-        write_tiny_llama(path, TinySpec(**TINY))
+        write_tiny_llama(path, TINY)
     return str(path), DEFAULT_SOURCE
 
 
@@ -196,12 +196,12 @@ def plan_unwritten(
     import tempfile
     from dataclasses import replace
 
-    from linkctl.gguf.tiny import TinySpec, write_tiny_llama
+    from linkctl.gguf.tiny import write_tiny_llama
 
     final = default_model_path()
     with tempfile.TemporaryDirectory(prefix="linkctl-verify-") as tmp:
         copy = Path(tmp) / final.name
-        write_tiny_llama(copy, TinySpec(**TINY))
+        write_tiny_llama(copy, TINY)
         rep = plan(prof, replace(opts, model=str(copy)), bins, say, runner, dry_run=True)
     rep.model = str(final)
     rep.model_source = f"{DEFAULT_SOURCE}; not written yet: the first run that is not dry writes it"

@@ -75,6 +75,57 @@ def test_record_from_plan_and_measurements_without_llama(tmp_path):
     assert not (tmp_path / "calibration.json").exists()  # record builds; it does not save
 
 
+def test_record_measures_a_quantized_models_types_and_the_estimate_prices_them(tmp_path):
+    """A given Q8_0 model stays out of the two-term solve (F32 models alone) and gives
+    its type's read rate; the calibrated device then prices Q8_0 at that rate."""
+    from linkctl.calibrate.measure import Measurements
+    from linkctl.calibrate.plan import CalibrationPlan, PlannedModel, reads_quantized
+    from linkctl.calibrate.solve import record
+    from linkctl.estimate.catalog import apply_calibration, get_device, load_catalog
+    from linkctl.estimate.features import decode_features
+    from linkctl.estimate.weight_types import priced
+    from linkctl.gguf.info import read_model
+    from linkctl.gguf.tiny import TinySpec, write_tiny_llama
+    from linkctl.llama.client import Timing
+
+    specs = [
+        TinySpec(n_layer=2, n_embd=256, n_ff=512, wtype="Q8_0"),
+        TinySpec(n_layer=6, n_embd=64, n_ff=128),
+        TinySpec(n_layer=1, n_embd=256, n_ff=512),
+    ]
+    paths = [write_tiny_llama(tmp_path / f"m{i}.gguf", sp)["path"] for i, sp in enumerate(specs)]
+    models = [read_model(p) for p in paths]
+    assert [reads_quantized(m) for m in models] == [True, False, False]
+    layer_us, bw, q8_gbs = 40.0, 8.0, 5.0
+
+    def timing(m) -> Timing:
+        f = decode_features(m, list(range(m.block_count)), True, 64 + 16 / 2)
+        t_us = m.block_count * layer_us + f[2] / (q8_gbs * 1e3) + (f[3] + f[4]) / (bw * 1e3)
+        return Timing(1e6 / t_us, 16, 1000.0, 64, 16 * t_us / 1e3, 64.0)
+
+    plan = CalibrationPlan(
+        host="dgx", device="cpu", device_kind="cpu",
+        models=[PlannedModel(path=paths[0])]
+        + [PlannedModel(path=p, spec={"n_layer": 1}) for p in paths[1:]],
+        tokens=16, runs=1, threads=1, rpc=False, context=512, prompt_tokens=64,
+        cpu_quota=None, servers=[], llama_server="llama-server", workdir=str(tmp_path),
+        saves_to=str(tmp_path / "calibration.json"), catalog_layer_us=0.0,
+        catalog_effective_bandwidth_gbs=68.0,
+    )  # fmt: skip
+    rec = record(plan, Measurements([[timing(m)] for m in models], None))
+    assert rec.layer_us == pytest.approx(layer_us, rel=1e-6)
+    assert rec.effective_bandwidth_gbs == pytest.approx(bw, rel=1e-6)
+    (t, r), *more = rec.weight_rates.items()
+    assert t == "Q8_0" and not more and r.together == ["Q8_0"]
+    assert r.gbs == pytest.approx(q8_gbs, rel=1e-6) and r.factor == pytest.approx(q8_gbs / bw)
+    # The record round-trips through its file form, and the estimate prices Q8_0 by it.
+    rec = type(rec).model_validate_json(rec.model_dump_json())
+    dev = apply_calibration(get_device(load_catalog(), "cpu", "dgx"), rec)
+    q8 = next(x for x in priced(models[0], [0, 1], True, dev) if x["type"] == "Q8_0")
+    assert q8["how"] == "calibrated" and q8["read_gbs"] == pytest.approx(q8_gbs, abs=0.05)
+    assert "measured by linkctl calibrate" in q8["source"]
+
+
 def test_cpu_quota_reads_cgroup_v2_and_v1_files(tmp_path):
     """The plan's CPU quota, from files shaped as the kernel writes them."""
     from linkctl.calibrate.plan import _quota_of
@@ -96,6 +147,17 @@ def test_cpu_quota_reads_cgroup_v2_and_v1_files(tmp_path):
     assert _quota_of(tmp_path, True) is None  # no controller files there: unknown
 
 
+def cpu_lab(make_lab, tmp_path: Path):
+    """The dgx-mac lab with every host a "cpu" device (this machine's CPU build)."""
+    lab = make_lab("dgx-mac")
+    data = tomllib.loads(Path(lab.profile_path).read_text())
+    for h in data["hosts"]:
+        h["device"] = "cpu"
+    prof = tmp_path / "cpu.toml"
+    prof.write_text(tomli_w.dumps(data))
+    return lab, prof
+
+
 def test_calibrate_solves_both_decode_terms_and_estimate_uses_them(make_lab, tmp_path):
     """Real llama-server on the given tiny model and a generated one of another shape;
     per-block cost and bandwidth solved from both; the estimate then predicts the given
@@ -103,12 +165,7 @@ def test_calibrate_solves_both_decode_terms_and_estimate_uses_them(make_lab, tmp
     need_llama()
     from linkctl.gguf.tiny import TinySpec, write_tiny_llama
 
-    lab = make_lab("dgx-mac")
-    data = tomllib.loads(Path(lab.profile_path).read_text())
-    for h in data["hosts"]:
-        h["device"] = "cpu"
-    prof = tmp_path / "cpu.toml"
-    prof.write_text(tomli_w.dumps(data))
+    lab, prof = cpu_lab(make_lab, tmp_path)
     model = write_tiny_llama(tmp_path / "tiny.gguf", TinySpec(n_layer=2, n_embd=256, n_ff=512))
 
     args = ["--profile", str(prof), "--model", model["path"], "--tokens", "16", "--runs", "2"]
@@ -189,6 +246,48 @@ def test_calibrate_solves_both_decode_terms_and_estimate_uses_them(make_lab, tmp
     assert r.returncode == 0, r.stderr
     dgx = next(d for d in json.loads(r.stdout)["split"]["devices"] if d["host"] == "dgx")
     assert dgx["bandwidth_gbs"] == pytest.approx(rec["effective_bandwidth_gbs"])
+
+
+def test_calibrate_measures_the_given_quantized_models_types(make_lab, tmp_path):
+    """Real llama-server on a Q8_0 tiny model and the generated F32 pair: the pair
+    solves the two terms, the Q8_0 model gives its type's read rate, and estimate on
+    that host prices Q8_0 by it (no catalog term for it) and reproduces the model's
+    measured time."""
+    need_llama()
+    from linkctl.gguf.tiny import TinySpec, write_tiny_llama
+
+    lab, prof = cpu_lab(make_lab, tmp_path)
+    spec = TinySpec(n_layer=2, n_embd=512, n_head=8, n_ff=1024, wtype="Q8_0")
+    model = write_tiny_llama(tmp_path / "q8.gguf", spec)
+    args = ["--profile", str(prof), "--model", model["path"], "--tokens", "16", "--runs", "2"]
+    args += ["--threads", "1", "--json"]
+    r = lab.run("dgx", "calibrate", *args, "--dry-run")
+    assert r.returncode == 0, r.stderr
+    # Quantized: not in the two-term solve, so both generated F32 models are added.
+    assert [m["spec"] is not None for m in json.loads(r.stdout)["models"]] == [False, True, True]
+    r = lab.run("dgx", "calibrate", *args, timeout=900)
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(r.stdout)
+    assert [m["quantized"] for m in rec["models"]] == [True, False, False]
+    q8 = rec["weight_rates"]["Q8_0"]
+    assert set(rec["weight_rates"]) == {"Q8_0"} and q8["together"] == ["Q8_0"]
+    assert q8["gbs"] > 0 and q8["factor"] == pytest.approx(
+        q8["gbs"] / rec["effective_bandwidth_gbs"]
+    )
+    r = lab.run("dgx", "calibrate", *args[:-1])  # text: the type's line
+    assert r.returncode == 0, r.stderr
+    assert "Q8_0 weights:" in r.stdout and "GB/s" in r.stdout
+
+    first = json.loads(Path(rec["saved_to"]).read_text())["hosts"]["dgx"]["models"][0]
+    depth = int(first["runs"][0]["prompt_n"] + 8)
+    what_if = ["--rtt-us", "100", "--throughput-gbps", "9", "--depth", str(depth), "--json"]
+    r = lab.run("dgx", "estimate", "--profile", str(prof), "--model", model["path"], *what_if)
+    assert r.returncode == 0, r.stderr
+    dgx = next(d for d in json.loads(r.stdout)["split"]["devices"] if d["host"] == "dgx")
+    types = {t["type"]: t for t in dgx["weight_types"]}
+    assert types["Q8_0"]["how"] == "calibrated" and "linkctl calibrate" in types["Q8_0"]["source"]
+    # The model's time as calibrate measured it (the Q8_0 rate is its own measure).
+    assert dgx["compute_us"] + dgx["kv_read_us"] == pytest.approx(first["per_token_us"], rel=0.02)
 
 
 def test_calibrate_rpc_on_a_gpu_host(make_lab, tmp_path):
