@@ -225,7 +225,11 @@ def render_calibration(rec: dict[str, Any]) -> None:
         console.print(
             f"  {x['model_name']}: {x['blocks']} blocks, {x['bytes_per_token'] / 1e6:.1f} MB/token"
             f" -> {x['decode_tok_s']:.1f} tok/s ({x['per_token_us']:.0f} µs/token, "
-            f"two-term fit {x['predicted_us']:.0f} µs)"
+            + (
+                "quantized: its types' rate below)"
+                if x.get("quantized")
+                else f"two-term fit {x['predicted_us']:.0f} µs)"
+            )
         )
     console.print(
         f"  decode terms: {rec.get('layer_us', 0):.1f} µs per block + bytes / "

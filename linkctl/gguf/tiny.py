@@ -158,7 +158,9 @@ def write_tiny_llama(path: str | Path, spec: TinySpec | None = None) -> dict[str
     with atomic_path(path) as tmp:
         arch = "gemma2" if swa else "llama"
         writer = gguf.GGUFWriter(str(tmp), arch)
-        vtag = f"-v{v}" if spec.n_vocab else ""
+        vtag = (f"-v{v}" if spec.n_vocab else "") + (
+            f"-{spec.wtype}" if spec.wtype != "F32" else ""
+        )
         writer.add_name(f"linkctl-tiny-{arch}-{spec.n_layer}L-{e}d-seed{spec.seed}{vtag}")
         if swa:
             writer.add_sliding_window(spec.sliding_window)
