@@ -180,7 +180,7 @@ def record(plan: CalibrationPlan, m: Measurements) -> CalibrationRecord:
         "layer_us": layer_us,
         "effective_bandwidth_gbs": bw,
         "effective_tflops": tflops,
-        "weight_rates": rates,
+        "weight_rates": rates or None,
         "catalog_layer_us": plan.catalog_layer_us,
         "catalog_effective_bandwidth_gbs": plan.catalog_effective_bandwidth_gbs,
         "llama_server": plan.llama_server,
@@ -237,7 +237,7 @@ def render_calibration(rec: dict[str, Any]) -> None:
         f"{rec.get('catalog_layer_us', 0):.1f} µs + bytes / "
         f"{rec['catalog_effective_bandwidth_gbs']:.1f} GB/s)"
     )
-    for t, r in rec.get("weight_rates", {}).items():
+    for t, r in (rec.get("weight_rates") or {}).items():
         with_ = (
             f" (read together with {', '.join(r['together'])})" if len(r["together"]) > 1 else ""
         )

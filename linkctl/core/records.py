@@ -139,8 +139,9 @@ class CalibrationRecord(_Part):
     effective_tflops: float | None = None
     rpc_effective_bandwidth_gbs: float | None = None
     rpc_overhead_us: float | None = None
-    # The quantized types of the given model(s), by ggml type name (linkctl.calibrate.solve).
-    weight_rates: dict[str, WeightRate] = Field(default_factory=dict)
+    # The quantized types of the given model(s), by ggml type name (linkctl.calibrate.solve);
+    # None when no given model was quantized (and then absent from the terms).
+    weight_rates: dict[str, WeightRate] | None = None
 
     def terms(self) -> CalibrationRecord:
         """The record without its raw runs: what the responder hands the peer (the

@@ -335,7 +335,7 @@ def apply_calibration(dev: Device, record: CalibrationRecord | None) -> Device:
             attn_tflops=pre.attn_tflops * k,
         )
     rates = dict(dev.weight_rates)
-    for t, r in record.weight_rates.items():
+    for t, r in (record.weight_rates or {}).items():
         with_ = f", read together with {', '.join(r.together)}" if len(r.together) > 1 else ""
         rates[t] = TypeRate(
             r.factor,

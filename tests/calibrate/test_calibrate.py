@@ -115,7 +115,7 @@ def test_record_measures_a_quantized_models_types_and_the_estimate_prices_them(t
     rec = record(plan, Measurements([[timing(m)] for m in models], None))
     assert rec.layer_us == pytest.approx(layer_us, rel=1e-6)
     assert rec.effective_bandwidth_gbs == pytest.approx(bw, rel=1e-6)
-    (t, r), *more = rec.weight_rates.items()
+    (t, r), *more = (rec.weight_rates or {}).items()
     assert t == "Q8_0" and not more and r.together == ["Q8_0"]
     assert r.gbs == pytest.approx(q8_gbs, rel=1e-6) and r.factor == pytest.approx(q8_gbs / bw)
     # The record round-trips through its file form, and the estimate prices Q8_0 by it.
