@@ -14,7 +14,7 @@
    (active weights + output head + KV cache at the mean context of the run). The
    models are the unquantized given --model(s) plus generated ones (linkctl.gguf.tiny:
    24 thin blocks, 2 wide blocks) until two differ in blocks per byte.
-   A given model that reads mostly quantized weights (calibrate.plan.reads_quantized)
+   A given model the plan found reads mostly quantized weights (plan.reads_quantized)
    is the host's measure of its types: its time less the two terms' share (per-block
    cost, its F32/F16 and KV bytes at bw) is its quantized bytes' read time, so their
    rate, as a factor of bw, is the record's weight_rates for each type it holds (one
@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from linkctl.calibrate.measure import Measurements
-from linkctl.calibrate.plan import CalibrationPlan, reads_quantized
+from linkctl.calibrate.plan import CalibrationPlan
 from linkctl.core.errors import CheckFailed
 from linkctl.core.records import CalibrationRecord, WeightRate, dump
 from linkctl.llama.client import Timing
@@ -80,11 +80,10 @@ def type_rates(
 ) -> dict[str, WeightRate]:
     """A quantized model's types' read rate: its per-token time less what the two terms
     price (per-block cost, its F32/F16 and KV bytes at ``bw``) reads its quantized bytes.
-    Every type holding at least QUANTIZED_SHARE of them gets that one rate."""
-    from linkctl.calibrate.plan import QUANTIZED_SHARE
-    from linkctl.estimate.features import decode_features, weight_type_bytes
-    from linkctl.gguf.info import UNQUANTIZED_TYPES
-    from linkctl.gguf.reader import type_name
+    Every type the model holds (typefit.SHARE_MIN of them, as the catalog fit counts a
+    type held) gets that one rate."""
+    from linkctl.estimate.features import decode_features, quant_type_bytes
+    from linkctl.estimate.typefit import SHARE_MIN
 
     layers = list(range(info.block_count))
     f = decode_features(info, layers, True, run.prompt_n + run.predicted_n / 2)
@@ -96,11 +95,8 @@ def type_rates(
             "busy, re-run"
         )
     gbs = f[2] / q_us / 1e3
-    by_type: dict[str, float] = {}
-    for t, b in weight_type_bytes(info, layers, True).items():
-        if t not in UNQUANTIZED_TYPES:
-            by_type[type_name(t)] = by_type.get(type_name(t), 0.0) + b
-    held = sorted(t for t, b in by_type.items() if b >= QUANTIZED_SHARE * f[2])
+    by_type = quant_type_bytes(info, layers, True)
+    held = sorted(t for t, b in by_type.items() if b >= SHARE_MIN * f[2])
     name = str(x["model_name"])
     return {t: WeightRate(factor=gbs / bw, gbs=gbs, model=name, together=held) for t in held}
 
@@ -135,7 +131,7 @@ def record(plan: CalibrationPlan, m: Measurements) -> CalibrationRecord:
                 "prompt_n": best.prompt_n,
                 "runs": [asdict(r) for r in model_runs],
                 "generated": pm.generated,
-                "quantized": reads_quantized(info),
+                "quantized": pm.quantized,
             }
         )
     layer_us, bw = solve_two_terms(

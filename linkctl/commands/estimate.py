@@ -157,7 +157,7 @@ def register(app: typer.Typer) -> None:
         from linkctl.estimate import report
 
         # What llama-server delivers beside the llama-bench figures (the serving overhead).
-        sv = served_for(prof, est, calibration or [])
+        sv = served_for(prof, est)
         if json_out:
             emit_json(report.as_json(est, de) | {"llama_server": sv.as_dict()}, path)
         else:

@@ -109,6 +109,7 @@ class DeviceLoad:
     # The llama.cpp build(s) the device's terms describe (the catalog rows' builds; a
     # calibrated host's: the build calibrate ran).
     terms_build: str = ""
+    calibrated: bool = False  # the terms are this host's `linkctl calibrate` figures
     # Per ggml type: bytes per token, read-rate factor, fitted or tied (weight_types.py).
     weight_types: list[dict[str, Any]] = field(default_factory=list)
 
@@ -260,6 +261,7 @@ def _device_load(
         ranges={k: p.device.error_range(k).as_dict() for k in KINDS},
         on_bound=p.device.on_bound,
         terms_build="calibrated on this host" if p.device.calibrated else p.device.build,
+        calibrated=p.device.calibrated,
         weight_types=types,
     )
 

@@ -112,6 +112,15 @@ def weight_type_bytes(model: ModelInfo, layers: list[int], holds_output: bool) -
     return out
 
 
+def quant_type_bytes(model: ModelInfo, layers: list[int], holds_output: bool) -> dict[str, float]:
+    """weight_type_bytes' quantized types only, by ggml type name."""
+    out: dict[str, float] = {}
+    for t, b in weight_type_bytes(model, layers, holds_output).items():
+        if t not in UNQUANTIZED_TYPES:
+            out[type_name(t)] = out.get(type_name(t), 0.0) + b
+    return out
+
+
 def priced_quant_bytes(by_type: Mapping[int, float], factors: Mapping[str, float]) -> float:
     """The quantized weight bytes in reference-type (Q8_0) equivalents: each type's bytes
     over its read-rate factor (linkctl.estimate.kernel_rates; a type without one: 1)."""

@@ -193,26 +193,21 @@ def run_estimate(
 
 
 def served_for(
-    prof: Profile,
-    est: Estimate,
-    calibration: list[Path] | None = None,
-    settings: SamplerSettings | None = None,
+    prof: Profile, est: Estimate, settings: SamplerSettings | None = None
 ) -> ServedDecode:
     """What llama-server delivers for each of the estimate's scenarios (linkctl.estimate.
     serving): the per-token serving overhead at the model's vocabulary, the sampler
     settings (llama-server's defaults) and the estimate's -c, added to the predicted
     llama-bench decode."""
-    head = prof.head
-    dev = get_device(load_catalog(), head.device, "head")
-    dev = apply_calibration(dev, load_calibrations(calibration).get(head.name))
+    scenarios = (("local", est.local), ("split", est.split), ("recommended", est.recommended))
     rows = {
         name: (sc.decode_tok_s, sc.decode_tok_s_low, sc.decode_tok_s_high)
-        for name, sc in (
-            ("local", est.local),
-            ("split", est.split),
-            ("recommended", est.recommended),
-        )
+        for name, sc in scenarios
         if sc is not None
     }
+    # The head as the estimate priced it: calibrated or not (every scenario holds it).
+    head_calibrated = any(
+        d.calibrated for _, sc in scenarios if sc for d in sc.devices if d.host == prof.head.name
+    )
     over = serving_overhead(int(est.model.get("vocab_size") or 0), settings, est.ctx)
-    return served(rows, over, head_calibrated=dev.calibrated)
+    return served(rows, over, head_calibrated=head_calibrated)

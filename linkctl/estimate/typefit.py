@@ -16,11 +16,9 @@ import math
 from dataclasses import dataclass, field
 
 from linkctl.estimate.catalog import fit_kind
-from linkctl.estimate.features import weight_type_bytes
+from linkctl.estimate.features import quant_type_bytes
 from linkctl.estimate.kernel_rates import REFERENCE, TypeRate
 from linkctl.estimate.published import Row, row_model
-from linkctl.gguf.info import UNQUANTIZED_TYPES
-from linkctl.gguf.reader import type_name
 
 SHARE_MIN = 0.2  # a row "holds" a type when it is this share of its quantized bytes
 
@@ -28,11 +26,7 @@ SHARE_MIN = 0.2  # a row "holds" a type when it is this share of its quantized b
 def row_type_bytes(row: Row) -> dict[str, float]:
     """A decode row's quantized weight bytes per token by ggml type name."""
     m = row_model(row)
-    out: dict[str, float] = {}
-    for t, b in weight_type_bytes(m, list(range(m.block_count)), True).items():
-        if t not in UNQUANTIZED_TYPES:
-            out[type_name(t)] = out.get(type_name(t), 0.0) + b
-    return out
+    return quant_type_bytes(m, list(range(m.block_count)), True)
 
 
 def _shares(row: Row) -> dict[str, float]:

@@ -105,7 +105,7 @@ def test_record_measures_a_quantized_models_types_and_the_estimate_prices_them(t
 
     plan = CalibrationPlan(
         host="dgx", device="cpu", device_kind="cpu",
-        models=[PlannedModel(path=paths[0])]
+        models=[PlannedModel(path=paths[0], quantized=True)]
         + [PlannedModel(path=p, spec={"n_layer": 1}) for p in paths[1:]],
         tokens=16, runs=1, threads=1, rpc=False, context=512, prompt_tokens=64,
         cpu_quota=None, servers=[], llama_server="llama-server", workdir=str(tmp_path),
