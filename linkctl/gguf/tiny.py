@@ -150,9 +150,8 @@ def write_tiny_llama(path: str | Path, spec: TinySpec | None = None) -> dict[str
                 p + "post_ffw_norm.weight": ones(e),
             }
 
-    matrices = (".attn_q.", ".attn_k.", ".attn_v.", ".attn_output.", ".ffn_gate.", ".ffn_up.")
-    quantized = [n for n in tensors if n.startswith("blk.") and any(m in n for m in matrices)]
-    quantized += [n for n in tensors if n.endswith(".ffn_down.weight")]
+    # The blocks' weight matrices: their 2-D tensors (the norms are 1-D).
+    quantized = {n for n, a in tensors.items() if n.startswith("blk.") and a.ndim == 2}
     qtype = gguf.GGMLQuantizationType[spec.wtype]
 
     with atomic_path(path) as tmp:
