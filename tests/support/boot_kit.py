@@ -202,10 +202,14 @@ def answers(bl: BootLab) -> dict | None:
 # Inside a container: every file and directory under ROOTS (type, mode, owner, and a
 # file's hash or a link's target), as JSON. What changes by itself between two reads
 # on an idle booted Debian is left out (each named with why): the journal and logs,
-# systemd's own timer stamps, random seed and credentials, and ldconfig's cache.
+# systemd's own timer stamps, random seed and credentials, and ldconfig's cache. A
+# serving supervisor's status (serve/<role>.json) is hashed without its "watch": the
+# watch rewrites that reading every interval (checked_at, figures) while nothing
+# changes; a restart still shows (pid, child_pid, starts, events).
 TREE = r"""
-import hashlib, json, os, stat, sys
+import hashlib, json, os, re, stat, sys
 roots, skip = sys.argv[1].split(","), tuple(sys.argv[2].split(","))
+status = re.compile(r".*/serve/(rpc|head|prefill|route)[.]json$")
 out = {}
 for root in roots:
     for dirpath, dirnames, filenames in os.walk(root):
@@ -220,7 +224,12 @@ for root in roots:
                 e.append(os.readlink(p))
             elif stat.S_ISREG(st.st_mode):
                 with open(p, "rb") as f:
-                    e.append(hashlib.sha256(f.read()).hexdigest())
+                    data = f.read()
+                if status.match(p):
+                    record = json.loads(data)
+                    record.pop("watch", None)
+                    data = json.dumps(record, sort_keys=True).encode()
+                e.append(hashlib.sha256(data).hexdigest())
             out[p] = e
 print(json.dumps(out))
 """
