@@ -20,6 +20,7 @@ from linkctl.core.output import console, print_json, verdict
 from linkctl.core.privilege import require_root
 
 if TYPE_CHECKING:
+    from linkctl.core.profile import HostSpec
     from linkctl.net.netstate import LinkStatus
 
 profile_app = typer.Typer(help="Validate and show profiles.", no_args_is_help=True)
@@ -198,7 +199,7 @@ def register(app: typer.Typer) -> None:
 
         prof, h, backend, path = load_with_host(profile, host)
         while True:
-            served = _served(h.role)
+            served = _served(h)
             try:
                 st = link.status(prof, h, backend)
             except InputError as e:
@@ -230,19 +231,35 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(1)
 
 
-def _served(role: str) -> dict | None:
+def _served(host: HostSpec) -> dict | None:
     """This host's serve status (its watch included; on a disaggregated head, route's
-    with its restores), or None when serve never ran."""
+    with its restores), or None when serve never ran. Read where this host's serve
+    writes it: the one state dir (serve by hand, launchd's daemon) or the serve unit's
+    own (systemd's StateDirectory=, a throwaway user's); the newer when both hold one."""
     from linkctl.core.errors import InputError
     from linkctl.core.records import load_route_status, load_status, status_path
+    from linkctl.service.manager import manager_for
 
-    p = status_path(role)
-    if not p.is_file():
-        return None
+    unit_dir = manager_for(host).serve_state_dir
+    found: list[tuple[float, Path]] = []
+    hidden = None
+    for root in [None, *([Path(unit_dir)] if unit_dir else [])]:
+        p = status_path(host.role, root)
+        try:
+            found.append((p.stat().st_mtime, p))
+        except PermissionError:  # the unit's directory is root's (0700)
+            hidden = p
+        except OSError:
+            continue
+    if not found:
+        if hidden is None:
+            return None
+        return {"error": f"{hidden} is not readable by this user: run `sudo linkctl status`"}
+    p = max(found)[1]
     try:
         out = load_status(p).model_dump(mode="json")
-        route = status_path("route")
-        if role == "head" and route.is_file():
+        route = status_path("route", p.parent.parent)
+        if host.role == "head" and route.is_file():
             out["route"] = load_route_status(route).model_dump(mode="json")
         return out
     except InputError as e:

@@ -201,6 +201,7 @@ def up(profile: Profile, name: str = "lab") -> Lab:
             created.append(ns)
             with IPRoute(netns=ns) as ipr:
                 ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
+            _as_booted(ns)
         _wire_wifi(lab)
         wire_link(lab)
         root.mkdir(parents=True, exist_ok=True)
@@ -220,6 +221,19 @@ def up(profile: Profile, name: str = "lab") -> Lab:
         shutil.rmtree(root, ignore_errors=True)
         raise
     return lab
+
+
+# What a booted Debian or Ubuntu host sets in its network namespace and a new namespace
+# lacks: systemd's 50-default.conf lets every group open datagram ICMP sockets (the
+# serve unit's watch pings through one, linkctl.net.echo). Written in the lab's own
+# namespace only; this machine's value stays (tests/support/boot_kit.host_snapshot).
+BOOTED_SYSCTLS = {"net/ipv4/ping_group_range": "0 2147483647"}
+
+
+def _as_booted(ns: str) -> None:
+    with inside(ns):
+        for key, value in BOOTED_SYSCTLS.items():
+            Path("/proc/sys", key).write_text(value)
 
 
 def _wire_wifi(lab: Lab) -> None:

@@ -18,6 +18,7 @@ from linkctl.serve.watch import Reading
 if TYPE_CHECKING:
     from linkctl.llama.client import LlamaServer
     from linkctl.net.backend import Backend
+    from linkctl.net.ping import PingSummary
 
 PING_TIMEOUT_S = 1.0
 PING_COUNT = 2  # one echo lost on a busy path is not a peer gone
@@ -92,27 +93,39 @@ class Sampler:
 
     def _ping(self, r: Reading) -> None:
         """Two echoes to each peer: lost both is a peer that does not answer; a ping
-        that could not run (no binary, no permission for an ICMP socket under a
-        hardened unit) says nothing about the link."""
-        from linkctl.net.ping import parse_ping
-
+        that could not run (no ICMP socket permitted, no binary) says nothing about the
+        link."""
         worst = None
         for peer in self.peers:
-            argv = self.backend.ping_argv(
-                peer, count=PING_COUNT, timeout_s=PING_TIMEOUT_S, interval_s=0.2
-            )
             try:
-                res = self.backend.runner.run(argv, timeout=PING_TIMEOUT_S + 3, check=False)
-            except InputError as e:  # no ping binary, or it hung past its own deadline
+                p = self._echo(peer)
+            except InputError as e:
                 r.ping_error = f"ping {peer} could not run: {e.message}"
-                return
-            p = parse_ping(res.stdout)
-            if not p.sent:
-                why = (res.stderr.strip().splitlines() or ["no output"])[0]
-                r.ping_error = f"ping {peer} could not run: {why}"
                 return
             if not p.received or p.avg_us is None:
                 r.ping_lost = f"ping {peer}: no reply to {p.sent} echoes"
                 return
             worst = max(worst or 0.0, p.avg_us / 1000)
         r.ping_ms = round(worst, 3) if worst is not None else None
+
+    def _echo(self, peer: str) -> PingSummary:
+        """The echoes through a datagram ICMP socket (no process, no capability: what
+        the hardened serve unit can open); where the system does not permit that
+        socket to this group, through the system's ping (root, by hand)."""
+        from linkctl.net.echo import echo
+        from linkctl.net.ping import parse_ping
+
+        try:
+            return echo(peer, count=PING_COUNT, interval_s=0.2, timeout_s=PING_TIMEOUT_S)
+        except InputError as refused:
+            argv = self.backend.ping_argv(
+                peer, count=PING_COUNT, timeout_s=PING_TIMEOUT_S, interval_s=0.2
+            )
+            try:
+                res = self.backend.runner.run(argv, timeout=PING_TIMEOUT_S + 3, check=False)
+            except InputError:  # no ping binary, or it hung past its own deadline
+                raise refused from None
+            p = parse_ping(res.stdout)
+            if not p.sent:  # it could not start either (the unit's sandbox): say why not
+                raise refused from None
+            return p

@@ -136,9 +136,14 @@ def judge(cfg: WatchConfig, now: Reading, before: Reading | None) -> list[WatchF
                 f"rpc-server sent nothing for {silent:.1f} s while {waits} "
                 f"(limit {cfg.stall_s:g} s)",
             )
-        rtt = max(c.rtt_ms for c in now.conns)
+        # The kernel's smoothed RTT moves only when sent data is acknowledged: on a
+        # connection that sent nothing this interval it is its last busy moment's (the
+        # model upload's queueing, a fault gone since), not the link's now; the idle
+        # echo speaks for the link then.
+        fresh = [c.rtt_ms for c in now.conns if c.last_send_ms <= cfg.interval_s * 1000]
+        rtt = max(fresh, default=0.0)
         bound = cfg.rtt_warn_ms()
-        if bound is not None and rtt > bound:
+        if fresh and bound is not None and rtt > bound:
             add(
                 "rtt",
                 Verdict.WARN,

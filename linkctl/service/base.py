@@ -61,6 +61,9 @@ class ServiceManager(Protocol):
     extra_dirs: tuple[str, ...]
     # What enables and starts the services on the target, for the --root note.
     start_hint: str
+    # Where the installed serve keeps its records (its status and watch), when that is
+    # not the one state dir: systemd's StateDirectory= of the unprivileged serve unit.
+    serve_state_dir: str | None
 
     def render(self, profile: Profile, host: HostSpec, paths: ServicePaths) -> dict[str, str]:
         """The manager's own files (units / plists) by absolute target path."""

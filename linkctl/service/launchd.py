@@ -32,6 +32,7 @@ class Launchd:
     # launchd opens the log files, not their directory.
     extra_dirs: tuple[str, ...] = (LAUNCHD_LOG_DIR,)
     start_hint = "launchctl bootstrap system"
+    serve_state_dir: str | None = None  # the serve daemon writes the one state dir
 
     def render(self, profile: Profile, host: HostSpec, paths: ServicePaths) -> dict[str, str]:
         return render_launchd(profile, host, paths)

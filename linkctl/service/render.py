@@ -25,6 +25,8 @@ LAUNCHD_RUNTIME_DIR = "/var/run/linkctl/launchd"
 LAUNCHD_LOG_DIR = "/Library/Logs"
 PROFILE_DIR = str(SYSTEM_PROFILE_DIR)
 STATE_DIR = str(SYSTEM_STATE_DIR)
+# The serve unit's own StateDirectory= (it runs as a throwaway user, not root).
+SERVE_STATE_DIR = "/var/lib/linkctl-serve"
 SYSTEMD_UNITS = ("linkctl-link.service", "linkctl-responder.service", "linkctl-serve.service")
 LAUNCHD_JOBS = ("link", "probe", "responder", "serve")
 LABEL_PREFIX = "com.linkctl."
@@ -224,7 +226,7 @@ def render_systemd(profile: Profile, host: HostSpec, paths: ServicePaths) -> dic
             "serve_what": serve_what,
             "serve_cmd": systemd_cmd(cmds["serve"]),
             "reprobe": _reprobe(profile, host, paths),
-            "serve_state_dir": "/var/lib/linkctl-serve",
+            "serve_state_dir": SERVE_STATE_DIR,
             "cache_dir": "/var/cache/linkctl-serve",
             "llama_bin_dir": systemd_quote(paths.llama_bin_dir),
             "identity": _identity(paths),

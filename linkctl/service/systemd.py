@@ -6,7 +6,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from linkctl.service.base import Action, FileAction, UnitStatus
-from linkctl.service.render import RUNTIME_UNIT_DIR, SYSTEMD_UNITS, UNIT_DIR, render_systemd
+from linkctl.service.render import (
+    RUNTIME_UNIT_DIR,
+    SERVE_STATE_DIR,
+    SYSTEMD_UNITS,
+    UNIT_DIR,
+    render_systemd,
+)
 
 if TYPE_CHECKING:
     from linkctl.core.profile import HostSpec, Profile
@@ -20,6 +26,7 @@ class Systemd:
     dynamic_user = True
     extra_dirs: tuple[str, ...] = ()
     start_hint = "systemctl enable --now"
+    serve_state_dir: str | None = SERVE_STATE_DIR
 
     def render(self, profile: Profile, host: HostSpec, paths: ServicePaths) -> dict[str, str]:
         return render_systemd(profile, host, paths)

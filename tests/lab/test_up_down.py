@@ -256,6 +256,25 @@ def test_up_again_changes_nothing_and_says_so(upped: Pair):
     assert answers(p)
 
 
+def test_status_shows_the_units_watch_reading_the_link(upped: Pair):
+    """What `linkctl status --json` says of the served pair under the hardened units:
+    the watch's verdict with its idle echo to the peer (no ping it could not run)."""
+    p = upped
+
+    def watch(host: str) -> dict | None:
+        r = p.linkctl(host, "status", "--json", timeout=60)
+        served = json.loads(r.stdout).get("serve") if r.stdout.strip() else None
+        w = (served or {}).get("watch")
+        return w if w and w["ticks"] >= 2 else None
+
+    for host in (p.head, p.rpc):
+        kit.wait_for(lambda h=host: watch(h), 60, f"{host}: two watch readings in status")
+        w = watch(host)
+        assert w is not None
+        assert w["verdict"] == "PASS", (host, w["reasons"])
+        assert w["figures"]["ping_ms"] is not None, (host, w["figures"])
+
+
 def _age_reports(c: Container, hours: float) -> None:
     """Every probe report on ``c`` as if written ``hours`` ago."""
     script = (

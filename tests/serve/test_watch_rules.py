@@ -61,6 +61,11 @@ def test_link_findings():
     # RTT: above max(4 x probe, probe + 0.5 ms) = 0.55 ms here
     assert judge(c, reading(conns=[conn(rtt_ms=0.5)]), None) == []
     assert checks(judge(c, reading(conns=[conn(rtt_ms=0.6)]), None)) == {"rtt": Verdict.WARN}
+    # a connection that sent nothing this interval: its smoothed RTT is its last busy
+    # moment's (the kernel moves it on ACKs of new data), not the link's now
+    stale = conn(rtt_ms=0.73, last_send_ms=1500)
+    assert judge(c, reading(conns=[stale]), None) == []
+    assert checks(judge(c, reading(conns=[stale, conn(rtt_ms=0.6)]), None)) == {"rtt": Verdict.WARN}
     # no probe report: no RTT bound to judge by
     assert judge(cfg(probe_rtt_ms=None), reading(conns=[conn(rtt_ms=9)]), None) == []
     more = judge(c, reading(conns=[conn(retrans_total=7)]), reading(conns=[conn(retrans_total=4)]))
