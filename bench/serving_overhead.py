@@ -190,9 +190,17 @@ def measure_vocab(
         }
         argv = servers["main"].argv
         try:
-            for s in servers.values():  # warm-up: the first request pays allocations
-                post(s.port, base | {"n_predict": 16}, False)
-            for kind, (extra, stream) in KINDS.items():
+            # Warm-up as long as the requests measured: the first request to reach a
+            # position pays its first touch of the KV cache and output buffers (pages
+            # the kernel maps on first write); with a 16-token warm-up the first kind
+            # measured (plain) paid it for positions 16-256 and the others did not.
+            for s in servers.values():
+                post(s.port, base, False)
+            # Each round starts with another kind (a rotation): whatever the order
+            # costs, every kind pays it equally often.
+            kinds = list(KINDS)
+            for kind in kinds[i % len(kinds) :] + kinds[: i % len(kinds)]:
+                extra, stream = KINDS[kind]
                 port = servers["big" if kind == "ctx_big" else "main"].port
                 d = post(port, base | extra, stream)
                 if d["tokens_predicted"] != tokens:
