@@ -190,10 +190,10 @@ def measure_vocab(
         }
         argv = servers["main"].argv
         try:
-            # Warm-up as long as the requests measured: the first request to reach a
-            # position pays its first touch of the KV cache and output buffers (pages
-            # the kernel maps on first write); with a 16-token warm-up the first kind
-            # measured (plain) paid it for positions 16-256 and the others did not.
+            # Warm-up as long as the requests measured: a first request to reach a
+            # position may pay the first touch of its KV cells (pages the kernel maps on
+            # first write), which after a 16-token warm-up only the first kind measured
+            # would pay.
             for s in servers.values():
                 post(s.port, base, False)
             # Each round starts with another kind (a rotation): whatever the order
