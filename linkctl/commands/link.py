@@ -237,10 +237,12 @@ def _served(host: HostSpec) -> dict | None:
     writes it: the one state dir (serve by hand, launchd's daemon) or the serve unit's
     own (systemd's StateDirectory=, a throwaway user's); the newer when both hold one."""
     from linkctl.core.errors import InputError
+    from linkctl.core.paths import SYSTEM_STATE_DIR, state_dir
     from linkctl.core.records import load_route_status, load_status, status_path
     from linkctl.service.manager import manager_for
 
-    unit_dir = manager_for(host).serve_state_dir
+    # The unit's directory only beside the system state (not a lab host's own state dir).
+    unit_dir = manager_for(host).serve_state_dir if state_dir() == SYSTEM_STATE_DIR else None
     found: list[tuple[float, Path]] = []
     hidden = None
     for root in [None, *([Path(unit_dir)] if unit_dir else [])]:

@@ -201,7 +201,7 @@ def up(profile: Profile, name: str = "lab") -> Lab:
             created.append(ns)
             with IPRoute(netns=ns) as ipr:
                 ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
-            _as_booted(ns)
+            _set_lab_sysctls(ns)
         _wire_wifi(lab)
         wire_link(lab)
         root.mkdir(parents=True, exist_ok=True)
@@ -223,16 +223,17 @@ def up(profile: Profile, name: str = "lab") -> Lab:
     return lab
 
 
-# What a booted Debian or Ubuntu host sets in its network namespace and a new namespace
-# lacks: systemd's 50-default.conf lets every group open datagram ICMP sockets (the
-# serve unit's watch pings through one, linkctl.net.echo). Written in the lab's own
-# namespace only; this machine's value stays (tests/support/boot_kit.host_snapshot).
-BOOTED_SYSCTLS = {"net/ipv4/ping_group_range": "0 2147483647"}
+# The lab's hosts as ones where every group may open datagram ICMP sockets (systemd's
+# 50-default.conf, shipped by Debian 13's linux-sysctl-defaults; Debian 12 has "1 0"
+# and the serve unit's watch then says WARN with this setting to make, see
+# linkctl.net.echo). Written in the lab's own namespaces only; this machine's value
+# stays (tests/net/test_echo.py, tests/support/boot_kit.host_snapshot).
+LAB_SYSCTLS = {"net/ipv4/ping_group_range": "0 2147483647"}
 
 
-def _as_booted(ns: str) -> None:
+def _set_lab_sysctls(ns: str) -> None:
     with inside(ns):
-        for key, value in BOOTED_SYSCTLS.items():
+        for key, value in LAB_SYSCTLS.items():
             Path("/proc/sys", key).write_text(value)
 
 

@@ -4,15 +4,16 @@ The serve unit runs with no capabilities and a seccomp filter that refuses setui
 capset (linkctl-serve.service.in), so iputils `ping` cannot start there ("cap_set_proc:
 Operation not permitted"). A datagram ICMP socket needs neither: Linux allows it to a
 process whose group is in ``net.ipv4.ping_group_range`` (ip-sysctl.rst; systemd's
-50-default.conf sets "0 2147483647" at boot on Debian and Ubuntu), macOS to any user
+50-default.conf sets "0 2147483647", which Debian 13 ships in linux-sysctl-defaults and
+Debian 12 does not ship at all: there the range is "1 0", no group), macOS to any user
 (icmp(4), SOCK_DGRAM). Linux hands back the ICMP message alone and picks the echo
-identifier itself; macOS prepends the IP header: replies are matched by sequence number.
+identifier itself; macOS prepends the IP header and hands every reply to every such
+socket: replies are matched by source and sequence number.
 """
 
 from __future__ import annotations
 
 import os
-import select
 import socket
 import struct
 import time
@@ -59,13 +60,15 @@ def _not_permitted(address: str, err: OSError) -> InputError:
     return InputError(
         f"an ICMP socket to {address} is not permitted for group {os.getgid()} "
         f"({where}{err.strerror}): allow it with "
-        "`sysctl -w net.ipv4.ping_group_range='0 2147483647'` (systemd's default)"
+        "`sysctl -w net.ipv4.ping_group_range='0 2147483647'` (and a file in /etc/sysctl.d "
+        "to keep it)"
     )
 
 
 def echo(address: str, *, count: int, interval_s: float, timeout_s: float) -> PingSummary:
     """``count`` echoes ``interval_s`` apart, each waited for up to ``timeout_s`` after
-    the last one is sent. InputError when the system does not permit the socket."""
+    the last one is sent. InputError when the system does not permit the socket or no
+    echo could be sent (no route: the address or the interface gone)."""
     try:
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_ICMP)
     except PermissionError as e:
@@ -74,38 +77,51 @@ def echo(address: str, *, count: int, interval_s: float, timeout_s: float) -> Pi
         raise InputError(f"an ICMP socket to {address} could not be opened: {e.strerror}") from None
     ident = os.getpid() & 0xFFFF
     sent_at: dict[int, int] = {}  # sequence -> when it left, until its reply comes
-    n_sent = 0
+    tries = 0
+    unsent: OSError | None = None
     rtts: list[float] = []
     with sock:
-        sock.setblocking(False)
         start = time.monotonic()
         deadline = start + interval_s * (count - 1) + timeout_s
         while len(rtts) < count:
             now = time.monotonic()
-            if n_sent < count and now >= start + interval_s * n_sent:
-                n_sent += 1
+            if tries < count and now >= start + interval_s * tries:
+                tries += 1
+                seq = tries & 0xFFFF
+                t0 = time.perf_counter_ns()
                 try:
-                    sock.sendto(_request(ident, n_sent), (address, 0))
+                    sock.sendto(_request(ident, seq), (address, 0))
+                    sent_at[seq] = t0
                 except PermissionError as e:  # a firewall (or IPAddressDeny=) refused it
                     raise InputError(
                         f"an ICMP echo to {address} was refused: {e.strerror}"
                     ) from None
-                except OSError:  # no route, the interface gone: an echo lost
-                    pass
-                sent_at[n_sent] = time.perf_counter_ns()
+                except OSError as e:  # no route: this echo never left
+                    unsent = e
                 continue
             if now >= deadline:
                 break
-            wake = start + interval_s * n_sent if n_sent < count else deadline
-            ready, _, _ = select.select([sock], [], [], max(0.0, min(wake, deadline) - now))
-            if ready:
-                seq = _reply_seq(sock.recv(1024))
-                if seq in sent_at:
-                    rtts.append((time.perf_counter_ns() - sent_at.pop(seq)) / 1000)
+            wake = start + interval_s * tries if tries < count else deadline
+            # A timeout on the socket itself rather than select(): no limit on the
+            # descriptor's number in a long-lived process.
+            sock.settimeout(max(min(wake, deadline) - now, 1e-4))
+            try:
+                data, (source, _) = sock.recvfrom(1024)
+            except TimeoutError:
+                continue
+            except OSError:  # an ICMP error queued on the socket: not a reply
+                continue
+            got = _reply_seq(data)
+            # The source too: macOS hands every echo reply to every such socket.
+            if source == address and got is not None and got in sent_at:
+                rtts.append((time.perf_counter_ns() - sent_at.pop(got)) / 1000)
+    if unsent is not None and len(sent_at) + len(rtts) == 0:
+        raise InputError(f"no ICMP echo to {address} could be sent: {unsent.strerror}")
+    left = len(sent_at) + len(rtts)  # the echoes that left
     if not rtts:
-        return PingSummary(count, 0, None, None, None, None)
+        return PingSummary(left, 0, None, None, None, None)
     avg = sum(rtts) / len(rtts)
     dev = (sum((r - avg) ** 2 for r in rtts) / len(rtts)) ** 0.5
     return PingSummary(
-        count, len(rtts), round(min(rtts), 1), round(avg, 1), round(max(rtts), 1), round(dev, 1)
+        left, len(rtts), round(min(rtts), 1), round(avg, 1), round(max(rtts), 1), round(dev, 1)
     )

@@ -102,6 +102,9 @@ class Sampler:
             except InputError as e:
                 r.ping_error = f"ping {peer} could not run: {e.message}"
                 return
+            except OSError as e:  # whatever the socket says, the watch's thread goes on
+                r.ping_error = f"ping {peer} could not run: {e.strerror or e}"
+                return
             if not p.received or p.avg_us is None:
                 r.ping_lost = f"ping {peer}: no reply to {p.sent} echoes"
                 return

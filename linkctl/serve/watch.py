@@ -140,7 +140,9 @@ def judge(cfg: WatchConfig, now: Reading, before: Reading | None) -> list[WatchF
         # connection that sent nothing this interval it is its last busy moment's (the
         # model upload's queueing, a fault gone since), not the link's now; the idle
         # echo speaks for the link then.
-        fresh = [c.rtt_ms for c in now.conns if c.last_send_ms <= cfg.interval_s * 1000]
+        # The window is the time since the last reading (an interval plus the sampling).
+        window_ms = (now.mono - before.mono) * 1000 if before else cfg.interval_s * 1000
+        fresh = [c.rtt_ms for c in now.conns if c.last_send_ms <= window_ms]
         rtt = max(fresh, default=0.0)
         bound = cfg.rtt_warn_ms()
         if fresh and bound is not None and rtt > bound:

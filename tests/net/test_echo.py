@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from linkctl.lab.netns import BOOTED_SYSCTLS
+from linkctl.lab.netns import LAB_SYSCTLS
 
 RANGE = "/proc/sys/net/ipv4/ping_group_range"
 ECHO = """
@@ -38,11 +38,11 @@ def ns_read(lab, host: str, path: str) -> str:
     return " ".join(subprocess.run(argv, capture_output=True, text=True, check=True).stdout.split())
 
 
-def test_lab_namespaces_are_as_booted_and_this_machine_keeps_its_own(make_lab):
+def test_lab_namespaces_allow_icmp_sockets_and_this_machine_keeps_its_own(make_lab):
     mine = Path(RANGE).read_text()
     lab = make_lab("dgx-mac")
     for host in ("dgx", "mac"):
-        assert ns_read(lab, host, RANGE) == BOOTED_SYSCTLS["net/ipv4/ping_group_range"]
+        assert ns_read(lab, host, RANGE) == LAB_SYSCTLS["net/ipv4/ping_group_range"]
     assert Path(RANGE).read_text() == mine
 
 
