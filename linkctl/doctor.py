@@ -15,11 +15,12 @@ same facts, so doctor and the real commands cannot disagree:
                      linkctl.llama.bins (find_bins, local_rpc_protocol, compatible),
                      linkctl.llama.rpc
     serve auth       linkctl.serve.auth.serve_auth (head: API key or explicit opt-out)
+    watch echo       linkctl.net.echo.unit_echo_check (the watch's idle echo)
     services         linkctl.service.status
     probe report     linkctl.serve.run.probe_gate (head) / records.latest_probe (rpc host)
     disagg model, slot directory, kv-agent, servers match   (serve.mode = "disaggregated")
                      linkctl.disagg.checks.doctor_checks (fingerprint, pair.compare_servers)
-    slot restores    linkctl.estimate.ttft.restore_risk (head, disaggregated: serve.model)
+    slot restores    linkctl.disagg.checks.restore_check (head, disaggregated: serve.model)
 
 Doctor changes nothing on the network. What it sends: an ARP who-has for each peer's
 link address, out of the link interface only; from the head, one TCP connection with
@@ -44,6 +45,7 @@ from linkctl.core.checks import Check, Verdict, worst
 from linkctl.core.errors import CheckFailed, ConnectionRefused, InputError, Timeout
 from linkctl.core.profile import HostSpec, Profile
 from linkctl.net.backend import Backend
+from linkctl.net.echo import unit_echo_check
 from linkctl.net.netstate import LinkStatus
 from linkctl.net.nic_checks import nic_checks, speed_text
 
@@ -529,24 +531,6 @@ def check_probe_report(
         res.add("probe report", Verdict.PASS, path.name, f"{path.name}: ok, {age:.0f} s old")
 
 
-def check_restores(res: DoctorResult, model_path: str) -> None:
-    """A WARN, not a FAIL, for a model whose slot restores do not take: route copes."""
-    from linkctl.estimate.ttft import restore_risk
-    from linkctl.gguf.info import read_model
-
-    try:
-        model = read_model(model_path)
-    except InputError as e:
-        res.add("slot restores", Verdict.SKIP, None, e.message)
-        return
-    risk, arch = restore_risk(model), model.architecture
-    if risk is None:
-        res.add("slot restores", Verdict.PASS, arch, f"{arch}: restores reuse the moved cache")
-    else:
-        fix = 'serve a full-attention model, or serve.mode = "split"'
-        res.add("slot restores", Verdict.WARN, arch, risk.text(), fix)
-
-
 # ---- the pass ---------------------------------------------------------------------------------
 
 
@@ -585,12 +569,14 @@ def run(
     answered = check_peers(res, prof, host, st, peer_timeout_s)
     check_llama(res, prof, host, answered, peer_timeout_s, hello)
     check_serve_auth(res, prof, host)
+    if prof.serve.watch_interval_s:  # the watch's idle echo, from inside the serve unit
+        res.lines.append(unit_echo_check(backend.icmp_socket_groups))
     if prof.serve.mode == "disaggregated":
-        from linkctl.disagg.checks import doctor_checks
+        from linkctl.disagg.checks import doctor_checks, restore_check
 
         res.lines += doctor_checks(prof, host, answered, peer_timeout_s)
         if host.role == "head" and os.path.isfile(prof.serve.model):
-            check_restores(res, prof.serve.model)
+            res.lines.append(restore_check(prof.serve.model))
     shown = profile_arg or os.environ.get("LINKCTL_PROFILE") or prof.name
     check_services(res, prof, host, shown, service_root)
     check_probe_report(res, prof, host, now)

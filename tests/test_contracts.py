@@ -183,6 +183,15 @@ def check_conn(c: TcpConn) -> None:
     json.dumps(c.as_dict())
 
 
+def test_icmp_socket_groups_is_a_range_or_none(case):
+    b, _, _ = case
+    groups = b.icmp_socket_groups()
+    if isinstance(b, MacBackend):
+        assert groups is None  # any user (icmp(4))
+    else:
+        assert groups is not None and all(type(g) is int for g in groups), groups
+
+
 def test_tcp_connections_to_nothing_is_an_empty_list(case):
     b, _, _ = case
     assert b.tcp_connections(["198.18.255.254:9"]) == []

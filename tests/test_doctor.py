@@ -78,7 +78,9 @@ def test_before_and_after_setup_and_doctor_changes_nothing(lab, tmp_path):
     assert r.returncode == 1
     order = [ln["check"] for ln in lines]
     assert order[:8] == ["profile", "host", *NET]
-    assert order[8:] == ["peer mac", "llama binaries", "rpc protocol", "services", "probe report"]
+    assert order[8:] == [
+        "peer mac", "llama binaries", "rpc protocol", "watch echo", "services", "probe report"
+    ]  # fmt: skip
     assert by["host"]["value"] == "dgx" and "LINKCTL_HOST" in by["host"]["detail"]
     assert (by["address"]["verdict"], by["address"]["fix"]) == ("FAIL", "linkctl setup")
     assert (by["interface"]["verdict"], by["interface"]["fix"]) == ("FAIL", "linkctl setup")
@@ -154,6 +156,22 @@ def test_before_and_after_setup_and_doctor_changes_nothing(lab, tmp_path):
     r, by, lines = run_doctor(lab, "dgx", "--root", str(tmp_path))
     assert (by["default route"]["verdict"], by["default route"]["value"]) == ("FAIL", "enP7s7")
     assert "WiFi" in by["default route"]["fix"] and r.returncode == 1
+
+
+def test_watch_echo_line(lab, tmp_path):
+    # The lab's namespaces let every group open datagram ICMP sockets (linkctl.lab.netns).
+    r, by, lines = run_doctor(lab, "dgx", "--root", str(tmp_path))
+    check_shape(lines, r.returncode)
+    assert (by["watch echo"]["verdict"], by["watch echo"]["value"]) == ("PASS", "0 2147483647")
+    # As a Debian 12 host has it: no group may; WARN, the line to run as the fix.
+    ns = ["ip", "netns", "exec", lab.netns("dgx"), "sh", "-c"]
+    subprocess.run([*ns, "echo '1 0' > /proc/sys/net/ipv4/ping_group_range"], check=True)
+    r, by, lines = run_doctor(lab, "dgx", "--root", str(tmp_path))
+    check_shape(lines, r.returncode)
+    line = by["watch echo"]
+    assert (line["verdict"], line["value"]) == ("WARN", "1 0"), line
+    assert "cannot echo the peer" in line["detail"], line
+    assert line["fix"].startswith("sysctl -w net.ipv4.ping_group_range='0 2147483647'"), line
 
 
 def mac_of(lab, host: str) -> str:
@@ -337,6 +355,7 @@ def test_macos_backend_configured_mac(isolated, tmp_path):
     assert {n: by[n].verdict for n in want} == dict.fromkeys(want, "PASS"), res.as_json()
     assert (by["speed"].value, by["duplex"].value, by["mtu"].value) == (10000, "full", 9000)
     assert by["default route"].value == "en1"
+    assert (by["watch echo"].verdict, by["watch echo"].value) == ("PASS", None)
     assert isolated == [("en0", "192.168.100.2")]
     assert runner.unexpected == [] and runner.changes() == []
     # The rpc line either asked the (stand-in) endpoint or skipped for want of a local build.

@@ -17,6 +17,24 @@ def _check(name: str, verdict: Verdict, value: Any, detail: str, fix: str | None
     return Check(name, verdict, value, detail=detail, fix=fix)
 
 
+def restore_check(model_path: str) -> Check:
+    """ "slot restores": a WARN, not a FAIL, for a model whose slot restores do not take
+    (route copes: it checks each one and prefills locally when it did not)."""
+    from linkctl.estimate.ttft import restore_risk
+    from linkctl.gguf.info import read_model
+
+    name = "slot restores"
+    try:
+        model = read_model(model_path)
+    except InputError as e:
+        return _check(name, Verdict.SKIP, None, e.message)
+    risk, arch = restore_risk(model), model.architecture
+    if risk is None:
+        return _check(name, Verdict.PASS, arch, f"{arch}: restores reuse the moved cache")
+    fix = 'serve a full-attention model, or serve.mode = "split"'
+    return _check(name, Verdict.WARN, arch, risk.text(), fix)
+
+
 def doctor_checks(
     profile: Profile, host: HostSpec, answered: dict[str, bool], timeout_s: float
 ) -> list[Check]:

@@ -42,6 +42,10 @@ class Backend(Protocol):
         """argv for this OS's ping (linkctl.net.ping): size, count, timeout_s, interval_s,
         dont_fragment. The probe runs it through ``runner``."""
 
+    def icmp_socket_groups(self) -> tuple[int, int] | None:
+        """The groups (lowest, highest) this network namespace lets open datagram ICMP
+        sockets (linkctl.net.echo), or None where any user may."""
+
     def plan_setup(self, profile: str, host: HostSpec, link: LinkSpec, facts: LinkFacts) -> Plan:
         """Changes that bring ``facts`` to what the profile wants; empty if nothing to do."""
 

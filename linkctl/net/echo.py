@@ -17,13 +17,20 @@ import os
 import socket
 import struct
 import time
+from collections.abc import Callable
 
+from linkctl.core.checks import Check, Verdict
 from linkctl.core.errors import InputError
 from linkctl.net.ping import PingSummary
 
 ECHO_REQUEST, ECHO_REPLY = 8, 0
 PAYLOAD = b"linkctl-echo-0123456789abcdef"  # 29 bytes, a 57-byte IP packet on the wire
 GROUP_RANGE = "/proc/sys/net/ipv4/ping_group_range"
+# The groups systemd gives DynamicUser= units, the serve unit's (systemd docs/UIDS-GIDS.md).
+DYNAMIC_GIDS = (61184, 65519)
+SET_RANGE = (
+    "sysctl -w net.ipv4.ping_group_range='0 2147483647' (and a file in /etc/sysctl.d to keep it)"
+)
 
 
 def _checksum(data: bytes) -> int:
@@ -59,9 +66,7 @@ def _not_permitted(address: str, err: OSError) -> InputError:
     where = f"{GROUP_RANGE} is '{allowed}', " if allowed else ""
     return InputError(
         f"an ICMP socket to {address} is not permitted for group {os.getgid()} "
-        f"({where}{err.strerror}): allow it with "
-        "`sysctl -w net.ipv4.ping_group_range='0 2147483647'` (and a file in /etc/sysctl.d "
-        "to keep it)"
+        f"({where}{err.strerror}): allow it with {SET_RANGE}"
     )
 
 
@@ -124,4 +129,29 @@ def echo(address: str, *, count: int, interval_s: float, timeout_s: float) -> Pi
     dev = (sum((r - avg) ** 2 for r in rtts) / len(rtts)) ** 0.5
     return PingSummary(
         left, len(rtts), round(min(rtts), 1), round(avg, 1), round(max(rtts), 1), round(dev, 1)
+    )
+
+
+def unit_echo_check(read_groups: Callable[[], tuple[int, int] | None]) -> Check:
+    """doctor's "watch echo": whether the serve unit's group may open the watch's
+    datagram ICMP socket; ``read_groups``: the backend's icmp_socket_groups (Linux's
+    net.ipv4.ping_group_range; None on macOS, where any user may)."""
+    name = "watch echo"
+    try:
+        groups = read_groups()
+    except InputError as e:
+        return Check(name, Verdict.WARN, detail=e.message)
+    if groups is None:
+        return Check(name, Verdict.PASS, detail="any user may open datagram ICMP sockets")
+    lo, hi = groups
+    shown = f"{lo} {hi}"
+    if lo <= DYNAMIC_GIDS[0] and DYNAMIC_GIDS[1] <= hi:
+        return Check(name, Verdict.PASS, shown, detail=f"net.ipv4.ping_group_range {shown}")
+    return Check(
+        name,
+        Verdict.WARN,
+        shown,
+        detail=f"net.ipv4.ping_group_range is '{shown}': the serve unit's watch cannot echo "
+        "the peer when idle (status says WARN ping)",
+        fix=SET_RANGE,
     )

@@ -213,6 +213,16 @@ class LinuxBackend:
 
         return linux_ping_argv(address, **kw)
 
+    def icmp_socket_groups(self) -> tuple[int, int] | None:
+        """net.ipv4.ping_group_range as this network namespace has it (ip-sysctl.rst)."""
+        from linkctl.net.echo import GROUP_RANGE
+
+        try:
+            lo, hi = (int(x) for x in Path(GROUP_RANGE).read_text().split())
+        except (OSError, ValueError) as e:
+            raise InputError(f"cannot read {GROUP_RANGE}: {e}") from None
+        return lo, hi
+
     def default_route(self) -> Route | None:
         defaults = [r for r in self.routes() if r.is_default]
         # Lowest metric wins, as the kernel picks it.

@@ -199,6 +199,10 @@ class MacBackend:
 
         return macos_ping_argv(address, **kw)  # type: ignore[arg-type]
 
+    def icmp_socket_groups(self) -> tuple[int, int] | None:
+        """Any user may open one (icmp(4): SOCK_DGRAM needs no privilege)."""
+        return None
+
     def interfaces(self) -> list[str]:
         return sorted(parse_ifconfig(self.runner.run(["ifconfig", "-a"], timeout=10).stdout))
 

@@ -163,7 +163,7 @@ def test_no_ops_in_a_row_stop_transfers_for_that_model(tmp_path):
 
 def test_estimate_and_doctor_name_models_whose_restores_do_not_take(tmp_path):
     from linkctl.core.checks import Verdict
-    from linkctl.doctor import DoctorResult, check_restores
+    from linkctl.disagg.checks import restore_check
     from linkctl.estimate.notes import NoteKind
     from linkctl.estimate.ttft import predict, restore_risk
     from linkctl.gguf.info import read_model
@@ -194,10 +194,7 @@ def test_estimate_and_doctor_name_models_whose_restores_do_not_take(tmp_path):
     assert any("gemma2 is a sliding-window model" in n and "#28194" in n for n in notes), notes
     assert not [n for n in serving_notes(dense) if "#28194" in n]
 
-    res = DoctorResult()
-    check_restores(res, swa)
-    check_restores(res, dense)
-    warn, ok = res.lines
+    warn, ok = restore_check(swa), restore_check(dense)
     assert (warn.name, warn.verdict, warn.value) == ("slot restores", Verdict.WARN, "gemma2")
     assert "reuse nothing" in warn.detail and warn.fix
     assert (ok.verdict, ok.value) == (Verdict.PASS, "llama")
