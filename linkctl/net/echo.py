@@ -57,13 +57,22 @@ def _reply_seq(data: bytes) -> int | None:
     return int(struct.unpack("!H", data[6:8])[0])
 
 
-def _not_permitted(address: str, err: OSError) -> InputError:
+def group_range() -> tuple[int, int]:
+    """Linux's net.ipv4.ping_group_range in this network namespace (ip-sysctl.rst)."""
     try:
         with open(GROUP_RANGE) as f:
-            allowed = " ".join(f.read().split())
-    except OSError:
-        allowed = None
-    where = f"{GROUP_RANGE} is '{allowed}', " if allowed else ""
+            lo, hi = (int(x) for x in f.read().split())
+    except (OSError, ValueError) as e:
+        raise InputError(f"cannot read {GROUP_RANGE}: {e}") from None
+    return lo, hi
+
+
+def _not_permitted(address: str, err: OSError) -> InputError:
+    try:
+        lo, hi = group_range()
+        where = f"{GROUP_RANGE} is '{lo} {hi}', "
+    except InputError:
+        where = ""
     return InputError(
         f"an ICMP socket to {address} is not permitted for group {os.getgid()} "
         f"({where}{err.strerror}): allow it with {SET_RANGE}"

@@ -215,13 +215,9 @@ class LinuxBackend:
 
     def icmp_socket_groups(self) -> tuple[int, int] | None:
         """net.ipv4.ping_group_range as this network namespace has it (ip-sysctl.rst)."""
-        from linkctl.net.echo import GROUP_RANGE
+        from linkctl.net.echo import group_range
 
-        try:
-            lo, hi = (int(x) for x in Path(GROUP_RANGE).read_text().split())
-        except (OSError, ValueError) as e:
-            raise InputError(f"cannot read {GROUP_RANGE}: {e}") from None
-        return lo, hi
+        return group_range()
 
     def default_route(self) -> Route | None:
         defaults = [r for r in self.routes() if r.is_default]
