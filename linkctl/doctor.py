@@ -570,7 +570,10 @@ def run(
     check_llama(res, prof, host, answered, peer_timeout_s, hello)
     check_serve_auth(res, prof, host)
     if prof.serve.watch_interval_s:  # the watch's idle echo, from inside the serve unit
-        res.lines.append(unit_echo_check(backend.icmp_socket_groups))
+        from linkctl.service.manager import manager_for
+
+        gids = manager_for(host).serve_gids
+        res.lines.append(unit_echo_check(backend.icmp_socket_groups, gids))
     if prof.serve.mode == "disaggregated":
         from linkctl.disagg.checks import doctor_checks, restore_check
 

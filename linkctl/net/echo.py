@@ -26,8 +26,6 @@ from linkctl.net.ping import PingSummary
 ECHO_REQUEST, ECHO_REPLY = 8, 0
 PAYLOAD = b"linkctl-echo-0123456789abcdef"  # 29 bytes, a 57-byte IP packet on the wire
 GROUP_RANGE = "/proc/sys/net/ipv4/ping_group_range"
-# The groups systemd gives DynamicUser= units, the serve unit's (systemd docs/UIDS-GIDS.md).
-DYNAMIC_GIDS = (61184, 65519)
 SET_RANGE = (
     "sysctl -w net.ipv4.ping_group_range='0 2147483647' (and a file in /etc/sysctl.d to keep it)"
 )
@@ -141,10 +139,13 @@ def echo(address: str, *, count: int, interval_s: float, timeout_s: float) -> Pi
     )
 
 
-def unit_echo_check(read_groups: Callable[[], tuple[int, int] | None]) -> Check:
+def unit_echo_check(
+    read_groups: Callable[[], tuple[int, int] | None], unit_gids: tuple[int, int] | None
+) -> Check:
     """doctor's "watch echo": whether the serve unit's group may open the watch's
     datagram ICMP socket; ``read_groups``: the backend's icmp_socket_groups (Linux's
-    net.ipv4.ping_group_range; None on macOS, where any user may)."""
+    net.ipv4.ping_group_range; None on macOS, where any user may); ``unit_gids``: the
+    service manager's serve_gids (None: a user the manager does not pick, not judged)."""
     name = "watch echo"
     try:
         groups = read_groups()
@@ -154,7 +155,7 @@ def unit_echo_check(read_groups: Callable[[], tuple[int, int] | None]) -> Check:
         return Check(name, Verdict.PASS, detail="any user may open datagram ICMP sockets")
     lo, hi = groups
     shown = f"{lo} {hi}"
-    if lo <= DYNAMIC_GIDS[0] and DYNAMIC_GIDS[1] <= hi:
+    if unit_gids is None or (lo <= unit_gids[0] and unit_gids[1] <= hi):
         return Check(name, Verdict.PASS, shown, detail=f"net.ipv4.ping_group_range {shown}")
     return Check(
         name,

@@ -64,6 +64,10 @@ class ServiceManager(Protocol):
     # Where the installed serve keeps its records (its status and watch), when that is
     # not the one state dir: systemd's StateDirectory= of the unprivileged serve unit.
     serve_state_dir: str | None
+    # The group ids the serve unit may run under (a lowest, highest pair), where the
+    # manager picks them at start: systemd's DynamicUser= range; None where the unit's
+    # user is fixed (launchd runs it as root).
+    serve_gids: tuple[int, int] | None
 
     def render(self, profile: Profile, host: HostSpec, paths: ServicePaths) -> dict[str, str]:
         """The manager's own files (units / plists) by absolute target path."""

@@ -33,6 +33,7 @@ class Launchd:
     extra_dirs: tuple[str, ...] = (LAUNCHD_LOG_DIR,)
     start_hint = "launchctl bootstrap system"
     serve_state_dir: str | None = None  # the serve daemon writes the one state dir
+    serve_gids: tuple[int, int] | None = None  # the serve daemon runs as root
 
     def render(self, profile: Profile, host: HostSpec, paths: ServicePaths) -> dict[str, str]:
         return render_launchd(profile, host, paths)

@@ -27,6 +27,8 @@ class Systemd:
     extra_dirs: tuple[str, ...] = ()
     start_hint = "systemctl enable --now"
     serve_state_dir: str | None = SERVE_STATE_DIR
+    # The groups DynamicUser= units are given (systemd docs/UIDS-GIDS.md).
+    serve_gids: tuple[int, int] | None = (61184, 65519)
 
     def render(self, profile: Profile, host: HostSpec, paths: ServicePaths) -> dict[str, str]:
         return render_systemd(profile, host, paths)

@@ -208,6 +208,18 @@ def _stop(p: subprocess.Popen) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def _rpc_serving(lab, rpc_srv, ip: str, timeout: float = 60.0) -> None:
+    """Wait until rpc-server answers HELLO from the head: a client that went away can take
+    it down (the supervisor restarts it, printed here), and the next step needs it serving."""
+    probe = f"from linkctl.llama import rpc; rpc.hello({ip!r}, 50052, timeout=1.0)"
+    deadline = time.monotonic() + timeout
+    while (r := lab.exec("mac", sys.executable, "-c", probe)).returncode != 0:
+        assert time.monotonic() < deadline, f"rpc-server not serving: {r.stderr[-500:]}"
+        time.sleep(0.5)
+    st = rpc_srv.status()
+    print(f"RPC-SERVER serving: starts {st.get('starts')}, last reason {st.get('last_reason')}")
+
+
 def _verify(lab, *args: str) -> tuple[int, dict, str]:
     t0 = time.monotonic()
     r = lab.run("mac", "verify", "--json", *args, timeout=600)
@@ -329,6 +341,7 @@ def test_verify_lab_pair_clean_corrupted_and_split_reference(make_lab, tmp_path)
             assert "verify PASS: top-1 agreement 72/72" in head.text(), head.text()[-3000:]
         finally:
             head.stop()
+        _rpc_serving(lab, rpc_srv, ip)
 
         # 3. The profile makes the model too big for the head: another split is the
         # reference (here: fewer layers offloaded, the rest on the head's CPU).

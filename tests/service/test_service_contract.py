@@ -50,6 +50,8 @@ def test_both_managers_implement_the_whole_interface_with_the_same_signatures():
         m = cls()
         assert type(m.dynamic_user) is bool and type(m.start_hint) is str
         assert type(m.extra_dirs) is tuple and all(d.startswith("/") for d in m.extra_dirs)
+        g = m.serve_gids
+        assert g is None or (type(g) is tuple and len(g) == 2 and 0 < g[0] <= g[1]), g
     assert (Systemd.name, Launchd.name) == ("systemd", "launchd")
     for os_name, cls in CLASSES.items():
         assert type(manager_for(as_os(PROF.host("dgx"), os_name))) is cls
