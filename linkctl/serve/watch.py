@@ -136,16 +136,9 @@ def judge(cfg: WatchConfig, now: Reading, before: Reading | None) -> list[WatchF
                 f"rpc-server sent nothing for {silent:.1f} s while {waits} "
                 f"(limit {cfg.stall_s:g} s)",
             )
-        # The kernel's smoothed RTT moves only when sent data is acknowledged: on a
-        # connection that sent nothing this interval it is its last busy moment's (the
-        # model upload's queueing, a fault gone since), not the link's now; the idle
-        # echo speaks for the link then.
-        # The window is the time since the last reading (an interval plus the sampling).
-        window_ms = (now.mono - before.mono) * 1000 if before else cfg.interval_s * 1000
-        fresh = [c.rtt_ms for c in now.conns if c.last_send_ms <= window_ms]
-        rtt = max(fresh, default=0.0)
+        rtt = fresh_rtt_ms(now, before, cfg.interval_s)
         bound = cfg.rtt_warn_ms()
-        if fresh and bound is not None and rtt > bound:
+        if rtt is not None and bound is not None and rtt > bound:
             add(
                 "rtt",
                 Verdict.WARN,
@@ -176,6 +169,17 @@ def judge(cfg: WatchConfig, now: Reading, before: Reading | None) -> list[WatchF
     return out
 
 
+def fresh_rtt_ms(now: Reading, before: Reading | None, interval_s: float) -> float | None:
+    """The highest smoothed RTT among the RPC connections that sent data since the last
+    reading, else None. The kernel moves a connection's RTT only when sent data is
+    acknowledged: on one that sent nothing it is its last busy moment's (the model
+    upload's queueing, a fault gone since), not the link's now; the idle echo speaks for
+    the link then. The window: the time since the last reading (an interval plus the
+    sampling)."""
+    window_ms = (now.mono - before.mono) * 1000 if before else interval_s * 1000
+    return max((c.rtt_ms for c in now.conns if c.last_send_ms <= window_ms), default=None)
+
+
 def rate(kind: str, now: Reading, before: Reading | None) -> float | None:
     """tok/s (``kind``: decode or prefill) of the requests that finished between two
     readings: llama-server adds a request's tokens and times to its counters when it
@@ -192,13 +196,16 @@ def rate(kind: str, now: Reading, before: Reading | None) -> float | None:
     return float((n1 - n0) / (s1 - s0))
 
 
-def figures(now: Reading, before: Reading | None) -> dict[str, float | int | str | None]:
+def figures(
+    now: Reading, before: Reading | None, interval_s: float
+) -> dict[str, float | int | str | None]:
     conns = now.conns
+    rtt = fresh_rtt_ms(now, before, interval_s)
     f: dict[str, float | int | str | None] = {
         "carrier": int(now.carrier),
         "speed_mbps": now.speed_mbps,
         "rpc_connections": len(conns),
-        "rtt_ms": round(max(c.rtt_ms for c in conns), 3) if conns else None,
+        "rtt_ms": round(rtt, 3) if rtt is not None else None,  # None: idle, see ping_ms
         "min_rtt_ms": round(min(c.min_rtt_ms for c in conns), 3) if conns else None,
         "retransmits_total": sum(c.retrans_total for c in conns) if conns else None,
         "rpc_silent_s": round(min(c.last_recv_ms for c in conns) / 1000, 3) if conns else None,
@@ -288,7 +295,7 @@ class Watch:
             r.verdict = verdict
             r.findings = found
             r.reasons = [f"{f.check}: {f.detail}" for f in found]
-            r.figures = figures(now, before) | {"sample_ms": round(took_ms, 2)}
+            r.figures = figures(now, before, self.cfg.interval_s) | {"sample_ms": round(took_ms, 2)}
             for kind, (ref, source) in self.cfg.refs.items():
                 r.figures[f"{kind}_ref_tok_s"] = round(ref, 2)
                 r.figures[f"{kind}_ref_source"] = source

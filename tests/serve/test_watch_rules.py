@@ -8,7 +8,15 @@ import time
 
 from linkctl.core.checks import Verdict
 from linkctl.net.netstate import TcpConn
-from linkctl.serve.watch import RATE_INTERVALS, REF_INTERVALS, Reading, Watch, WatchConfig, judge
+from linkctl.serve.watch import (
+    RATE_INTERVALS,
+    REF_INTERVALS,
+    Reading,
+    Watch,
+    WatchConfig,
+    figures,
+    judge,
+)
 
 
 def cfg(**kw) -> WatchConfig:
@@ -74,6 +82,17 @@ def test_link_findings():
     assert checks(lost) == {"ping": Verdict.FAIL}
     cannot = judge(c, reading(ping_error="ping x could not run: permission denied"), None)
     assert checks(cannot) == {"ping": Verdict.WARN}
+
+
+def test_the_rtt_figure_is_of_connections_that_sent_since_the_last_reading():
+    busy, stale = conn(rtt_ms=0.2), conn(local="198.18.100.1:40001", rtt_ms=0.9, last_send_ms=1500)
+    before, now = reading(mono=10.0), reading(mono=11.0, conns=[busy, stale])
+    assert figures(now, before, 1.0)["rtt_ms"] == 0.2
+    # 1.6 s since the last reading (a slow sample): the stale one sent within it
+    assert figures(reading(mono=11.6, conns=[busy, stale]), before, 1.0)["rtt_ms"] == 0.9
+    # idle: no RTT figure (the echo's ping_ms speaks for the link), the count still there
+    idle = figures(reading(mono=11.0, conns=[stale], ping_ms=0.05), before, 1.0)
+    assert (idle["rtt_ms"], idle["rpc_connections"], idle["ping_ms"]) == (None, 1, 0.05)
 
 
 def test_rpc_findings_and_the_stall_needs_someone_waiting():
