@@ -23,6 +23,7 @@ from linkctl.llama.bins import LlamaBins, compatible, local_rpc_protocol
 from linkctl.llama.client import LlamaServer
 from linkctl.llama.invocation import ServerInvocation
 from linkctl.llama.rpc import RpcInfo
+from linkctl.serve.leftends import LeftEnds
 from linkctl.serve.plan import ServePlan, check_bind_spec
 from linkctl.serve.split import SplitChoice
 from linkctl.serve.supervise import ChildSpec, Policy, Supervisor
@@ -138,8 +139,9 @@ def check_endpoints(
     return out
 
 
-def rpc_connections_lost(pid: int, endpoints: list[str]) -> str | None:
-    """None while ``pid`` holds an ESTABLISHED TCP connection to every endpoint."""
+def rpc_connections_lost(pid: int, endpoints: list[str], left: LeftEnds) -> str | None:
+    """None while ``pid`` holds an ESTABLISHED TCP connection to every endpoint; each
+    such connection's local end is kept in ``left``."""
     import psutil
 
     try:
@@ -150,6 +152,8 @@ def rpc_connections_lost(pid: int, endpoints: list[str]) -> str | None:
     for c in conns:
         if c.raddr:
             key = f"{c.raddr.ip}:{c.raddr.port}"
+            if c.status == "ESTABLISHED" and key in endpoints:
+                left.seen(f"{c.laddr.ip}:{c.laddr.port}", key)
             if states.get(key) != "ESTABLISHED":
                 states[key] = c.status
     lost = [
@@ -273,7 +277,19 @@ def run_head(
             f"protocol {i.version_str} ({i.hello_format} HELLO), devices: {mem or 'none'}"
         )
 
+    left = LeftEnds()
+
     def before_start() -> str | None:
+        """None when every endpoint answers; an endpoint still held by a connection an
+        earlier llama-server left (an outage longer than its FIN) is freed first."""
+        try:
+            check_endpoints(profile, local, build, timeout=2.0)
+            return None
+        except InputError as e:
+            sent = left.reset(e)
+            if not sent:
+                return e.message
+            say(f"{e.message}; reset what llama-server left there ({', '.join(sent)})")
         try:
             check_endpoints(profile, local, build, timeout=2.0)
             return None
@@ -283,12 +299,12 @@ def run_head(
     if not profile.serve.watch_interval_s or backend is None:
         spec = llama_server_child(
             plan.head,
-            healthy=lambda pid: rpc_connections_lost(pid, plan.endpoints),
+            healthy=lambda pid: rpc_connections_lost(pid, plan.endpoints, left),
             health_interval=0.5,
             before_start=before_start,
         )
         return Supervisor(spec, policy=policy, log=log, status_path=status_path("head")).run()
-    return _run_head_watched(plan, profile, backend, before_start, say, log, policy, split)
+    return _run_head_watched(plan, profile, backend, before_start, left, say, log, policy, split)
 
 
 def _run_head_watched(
@@ -296,6 +312,7 @@ def _run_head_watched(
     profile: Profile,
     backend: Backend,
     endpoints_answer: Callable[[], str | None],
+    left: LeftEnds,
     say: Say,
     log: IO[str] | None,
     policy: Policy | None,
@@ -346,7 +363,7 @@ def _run_head_watched(
     )
 
     def split_healthy(pid: int) -> str | None:
-        lost = rpc_connections_lost(pid, plan.endpoints)
+        lost = rpc_connections_lost(pid, plan.endpoints, left)
         return guard.endpoint_lost(lost) if lost else guard.healthy(pid)
 
     split_spec = llama_server_child(

@@ -87,7 +87,9 @@ class Sampler:
                 r.prompt_s = m.get("prompt_seconds_total")
             except UpstreamError as e:  # restarting, or stuck: only the latter says much
                 r.loop_stuck = isinstance(e, UpstreamTimeout)
-        if idle and r.carrier:
+        # Off the split (the head alone) the link carries no RPC: the echo is what says
+        # it is back, busy or not, and what the return's hold is counted from.
+        if (idle or not self.expect_connected()) and r.carrier:
             self._ping(r)
         return r
 

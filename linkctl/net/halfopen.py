@@ -1,0 +1,54 @@
+"""Ending a connection the peer still holds after this host's side of it is gone.
+
+rpc-server serves one client at a time and waits on it with no keepalive
+(ggml/src/ggml-rpc/ggml-rpc.cpp: accept, then a blocking recv per command). When the
+head's llama-server closes its connection while the cable is out and the outage outlasts
+the head kernel's FIN retries (net.ipv4.tcp_orphan_retries), the rpc host never learns it:
+its rpc-server keeps waiting on that connection and every new client waits behind it.
+
+A SYN from the same local end (address and port) reaches that connection: the peer's
+kernel answers a SYN on an established connection with a challenge ACK (RFC 5961 4.2),
+this kernel, in SYN-SENT, answers an ACK of something it never sent with a reset
+carrying the ACK's number (RFC 793 3.4), and that reset is exactly in the peer's window:
+the peer drops the connection, and rpc-server goes on to the next client. Where the peer
+holds no such connection, the SYN opens a new one, closed unused with a reset. The end
+must be free here: a socket of this host still on it (a live connection, or one still
+closing) makes the bind fail and nothing is sent.
+"""
+
+from __future__ import annotations
+
+import errno
+import select
+import socket
+import struct
+
+
+def split_end(end: str) -> tuple[str, int]:
+    host, port = end.rsplit(":", 1)
+    return host, int(port)
+
+
+def reset_from(local: str, remote: str, wait_s: float = 0.3) -> str:
+    """One SYN from ``local`` to ``remote`` ("ip:port" each), then the socket reset.
+    Returns "in use" (``local`` is taken here: nothing sent), "answered" (the peer's
+    listener answered or refused: it holds nothing from that end now; between two Linux
+    kernels that is already so for the SYN that reset a held connection,
+    tests/net/test_halfopen.py) or "sent" (no answer within ``wait_s``: a held
+    connection reset and the SYN not yet retransmitted, or the SYN lost)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        try:
+            s.bind(split_end(local))
+        except OSError:  # in use (or the address is gone): not ours to touch now
+            return "in use"
+        # Closed with a reset, not a FIN: nothing of it lingers on either side.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.setblocking(False)
+        if s.connect_ex(split_end(remote)) not in (errno.EINPROGRESS, errno.EWOULDBLOCK):
+            return "sent"  # no route now: tried again later
+        # The challenge ACK and the reset take one round trip; an answer ends the wait.
+        _, writable, _ = select.select([], [s], [], wait_s)
+        return "answered" if writable else "sent"
+    finally:
+        s.close()
