@@ -570,9 +570,14 @@ def run(
     check_llama(res, prof, host, answered, peer_timeout_s, hello)
     check_serve_auth(res, prof, host)
     if prof.serve.watch_interval_s:  # the watch's idle echo, from inside the serve unit
-        from linkctl.service.manager import manager_for
+        from linkctl.service.install import load_manifest
+        from linkctl.service.manager import serve_unit_gids
 
-        gids = manager_for(host).serve_gids
+        try:
+            serve_user = (load_manifest(service_root) or {}).get("serve_user")
+        except InputError:  # an unreadable manifest: the services line says so
+            serve_user = None
+        gids = serve_unit_gids(host, serve_user)
         res.lines.append(unit_echo_check(backend.icmp_socket_groups, gids))
     if prof.serve.mode == "disaggregated":
         from linkctl.disagg.checks import doctor_checks, restore_check

@@ -79,7 +79,22 @@ class RpcError(InputError):
 
 
 class RpcBusy(RpcError):
-    """The server accepted the connection but did not answer: another client holds it."""
+    """The server accepted the connection but did not answer: another client holds it.
+    ``endpoint``: its "host:port"."""
+
+    def __init__(self, message: str, fix: str | None = None, *, endpoint: str):
+        self.endpoint = endpoint
+        super().__init__(message, fix)
+
+
+class RpcConnectTimeout(Timeout):
+    """No answer to the TCP connect: the host is down or filtered, or the accept queue
+    behind a client that holds rpc-server is full (the kernel then drops the SYN).
+    ``endpoint``: its "host:port"."""
+
+    def __init__(self, message: str, fix: str | None = None, *, seconds: float, endpoint: str):
+        self.endpoint = endpoint
+        super().__init__(message, fix, seconds=seconds)
 
 
 class RpcNoHello(RpcError):
@@ -136,10 +151,11 @@ class _Conn:
                 port=port,
             ) from None
         except TimeoutError:
-            raise Timeout(
+            raise RpcConnectTimeout(
                 f"rpc endpoint {self.where}: no answer to the TCP connect (host down or filtered)",
                 "check the link with `linkctl status` / `linkctl probe`",
                 seconds=time.monotonic() - start,
+                endpoint=self.where,
             ) from None
         except OSError as e:
             why = e.strerror or e
@@ -225,6 +241,7 @@ def _open_hello(host: str, port: int, timeout: float) -> tuple[_Conn, Version, s
                 f"within {timeout:g} s: busy serving another client (llama-server?) "
                 "or not an rpc-server",
                 "rpc-server serves one client at a time; stop that client or wait",
+                endpoint=where,
             ) from None
         except BaseException:
             conn.close()
@@ -269,7 +286,8 @@ def query(host: str, port: int, timeout: float = 3.0) -> RpcInfo:
     except TimeoutError:
         conn.abort()
         raise RpcBusy(
-            f"rpc endpoint {where}: device query got no answer within {timeout:g} s"
+            f"rpc endpoint {where}: device query got no answer within {timeout:g} s",
+            endpoint=where,
         ) from None
     finally:
         conn.close()

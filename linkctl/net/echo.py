@@ -139,13 +139,17 @@ def echo(address: str, *, count: int, interval_s: float, timeout_s: float) -> Pi
     )
 
 
+def _span(gids: tuple[int, int]) -> str:
+    return str(gids[0]) if gids[0] == gids[1] else f"{gids[0]}-{gids[1]}"
+
+
 def unit_echo_check(
     read_groups: Callable[[], tuple[int, int] | None], unit_gids: tuple[int, int] | None
 ) -> Check:
     """doctor's "watch echo": whether the serve unit's group may open the watch's
     datagram ICMP socket; ``read_groups``: the backend's icmp_socket_groups (Linux's
     net.ipv4.ping_group_range; None on macOS, where any user may); ``unit_gids``: the
-    service manager's serve_gids (None: a user the manager does not pick, not judged)."""
+    serve unit's group ids as installed (None: not known here, not judged)."""
     name = "watch echo"
     try:
         groups = read_groups()
@@ -155,13 +159,15 @@ def unit_echo_check(
         return Check(name, Verdict.PASS, detail="any user may open datagram ICMP sockets")
     lo, hi = groups
     shown = f"{lo} {hi}"
-    if unit_gids is None or (lo <= unit_gids[0] and unit_gids[1] <= hi):
+    if unit_gids is None:
+        return Check(name, Verdict.SKIP, shown, detail="the serve unit's group is not known here")
+    if lo <= unit_gids[0] and unit_gids[1] <= hi:
         return Check(name, Verdict.PASS, shown, detail=f"net.ipv4.ping_group_range {shown}")
     return Check(
         name,
         Verdict.WARN,
         shown,
-        detail=f"net.ipv4.ping_group_range is '{shown}': the serve unit's watch cannot echo "
-        "the peer when idle (status says WARN ping)",
+        detail=f"net.ipv4.ping_group_range is '{shown}', the serve unit runs with group(s) "
+        f"{_span(unit_gids)}: its watch cannot echo the peer when idle (status says WARN ping)",
         fix=SET_RANGE,
     )

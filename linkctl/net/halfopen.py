@@ -7,13 +7,14 @@ the head kernel's FIN retries (net.ipv4.tcp_orphan_retries), the rpc host never 
 its rpc-server keeps waiting on that connection and every new client waits behind it.
 
 A SYN from the same local end (address and port) reaches that connection: the peer's
-kernel answers a SYN on an established connection with a challenge ACK (RFC 5961 4.2),
+kernel answers a SYN on an established connection with a challenge ACK (RFC 5961 4.2);
 this kernel, in SYN-SENT, answers an ACK of something it never sent with a reset
-carrying the ACK's number (RFC 793 3.4), and that reset is exactly in the peer's window:
-the peer drops the connection, and rpc-server goes on to the next client. Where the peer
-holds no such connection, the SYN opens a new one, closed unused with a reset. The end
+carrying the ACK's number (RFC 793 3.9, SYN-SENT; RFC 9293 3.10.7.3), exactly in the
+peer's window: the peer drops the connection (the half-open recovery of RFC 793 3.4,
+figure 10), and rpc-server goes on to the next client. Where the peer holds no such
+connection, the SYN opens a new one, closed unused with a reset before any byte. The end
 must be free here: a socket of this host still on it (a live connection, or one still
-closing) makes the bind fail and nothing is sent.
+closing) makes the bind fail, and nothing is sent.
 """
 
 from __future__ import annotations
@@ -31,12 +32,18 @@ def split_end(end: str) -> tuple[str, int]:
 
 def reset_from(local: str, remote: str, wait_s: float = 0.3) -> str:
     """One SYN from ``local`` to ``remote`` ("ip:port" each), then the socket reset.
-    Returns "in use" (``local`` is taken here: nothing sent), "answered" (the peer's
-    listener answered or refused: it holds nothing from that end now; between two Linux
-    kernels that is already so for the SYN that reset a held connection,
-    tests/net/test_halfopen.py) or "sent" (no answer within ``wait_s``: a held
-    connection reset and the SYN not yet retransmitted, or the SYN lost)."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    Returns what came of it:
+      "in use"   ``local`` is taken here (or its address is gone): nothing sent;
+      "lost"     it could not leave or was reported unreachable: tried again later;
+      "answered" the peer's listener answered or refused: it holds nothing from that end
+                 now (between two Linux kernels in the lab, already so for the SYN that
+                 reset a held connection: tests/net/test_halfopen.py);
+      "sent"     no answer within ``wait_s``: a held connection reset, the SYN itself
+                 answered only at its retransmission."""
+    try:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    except OSError:  # out of descriptors: nothing sent, tried again later
+        return "lost"
     try:
         try:
             s.bind(split_end(local))
@@ -46,9 +53,15 @@ def reset_from(local: str, remote: str, wait_s: float = 0.3) -> str:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         s.setblocking(False)
         if s.connect_ex(split_end(remote)) not in (errno.EINPROGRESS, errno.EWOULDBLOCK):
-            return "sent"  # no route now: tried again later
+            return "lost"  # no route now
         # The challenge ACK and the reset take one round trip; an answer ends the wait.
-        _, writable, _ = select.select([], [s], [], wait_s)
-        return "answered" if writable else "sent"
+        p = select.poll()  # not select(): any descriptor number
+        p.register(s, select.POLLOUT)
+        if not p.poll(wait_s * 1000):
+            return "sent"
+        err = s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        return "answered" if err in (0, errno.ECONNREFUSED) else "lost"
+    except OSError:
+        return "lost"
     finally:
         s.close()

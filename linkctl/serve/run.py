@@ -289,7 +289,8 @@ def run_head(
             sent = left.reset(e)
             if not sent:
                 return e.message
-            say(f"{e.message}; reset what llama-server left there ({', '.join(sent)})")
+            if left.news(sent):
+                say(f"{e.message}; reset what llama-server left there ({', '.join(sent)})")
         try:
             check_endpoints(profile, local, build, timeout=2.0)
             return None

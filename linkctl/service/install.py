@@ -191,6 +191,7 @@ def install(
         "host": host.name,
         "services": mgr.service_names(),
         "boot": paths.boot,
+        "serve_user": paths.serve_user,  # who the serve unit runs as (None: the manager picks)
         "files": entries,
         "dirs": dirs,
     }

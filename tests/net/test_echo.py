@@ -9,7 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from linkctl.core.checks import Verdict
+from linkctl.core.profile import load_profile
 from linkctl.lab.netns import LAB_SYSCTLS
+from linkctl.net.echo import unit_echo_check
+from linkctl.service.manager import serve_unit_gids
 
 RANGE = "/proc/sys/net/ipv4/ping_group_range"
 ECHO = """
@@ -69,3 +73,23 @@ def test_echo_not_permitted_names_the_sysctl_and_its_value(lab):
     assert "not permitted for group 65534" in got["error"], got
     assert "ping_group_range is '1 0'" in got["error"], got
     assert "sysctl -w net.ipv4.ping_group_range='0 2147483647'" in got["error"], got
+
+
+def test_the_unit_check_judges_the_groups_the_serve_unit_runs_with():
+    linux = load_profile("dgx-mac")[0].host("dgx")
+    dynamic, root = serve_unit_gids(linux, None), serve_unit_gids(linux, "root")
+    assert (dynamic, root) == ((61184, 65519), (0, 0))  # systemd's DynamicUser= range
+    assert serve_unit_gids(linux, "nobody") == (65534, 65534)
+    assert serve_unit_gids(linux, "no-such-user-here") is None
+
+    def verdict(lo_hi, gids) -> str:
+        return unit_echo_check(lambda: lo_hi, gids).verdict
+
+    assert verdict((0, 2147483647), dynamic) == verdict((0, 2147483647), root) == Verdict.PASS
+    assert verdict((1, 0), dynamic) == verdict((1, 0), root) == Verdict.WARN  # Debian 12
+    # A range for users' groups: the DynamicUser range outside it, root too.
+    assert verdict((100, 60000), dynamic) == verdict((100, 60000), root) == Verdict.WARN
+    assert verdict((0, 0), root) == Verdict.PASS and verdict((0, 0), dynamic) == Verdict.WARN
+    assert "group(s) 61184-65519" in unit_echo_check(lambda: (1, 0), dynamic).detail
+    assert verdict((1, 0), None) == Verdict.SKIP
+    assert verdict(None, dynamic) == Verdict.PASS  # macOS: any user may

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from linkctl.gguf.tiny import TinySpec, write_tiny_llama
+from support.boot_kit import wait_for
 from support.llama_util import need_llama
 from support.serve_lab import Serve
 from support.watch_client import Client
@@ -76,7 +77,17 @@ def test_the_split_returns_after_an_outage_longer_than_the_heads_fin(make_lab, t
         st = head.wait(lambda s: mode(s) == "alone", 30, "the head alone")
         print(f"\nhead alone after {time.monotonic() - t0:.1f} s: {st['watch']['mode_reason']}")
         client.wait_ok(2, 30)  # the head alone serves
-        time.sleep(3)  # the old llama-server's FIN retries run out (one retry here)
+        # The old llama-server's FIN retries run out (one retry here, after the backoff
+        # its unanswered RPC data already built up): nothing of it left on the head.
+        dgx = next(h for h in data["hosts"] if h["name"] == "dgx")
+        rpc_end = f"{lab.host('dgx')['address'].split('/')[0]}:{dgx['rpc']['port']}"
+        closing = [*ns, "ss", "-Htn", "state", "fin-wait-1", "state", "fin-wait-2", "state",
+                   "closing", "state", "last-ack", "dst", rpc_end]  # fmt: skip
+        wait_for(
+            lambda: not subprocess.run(closing, capture_output=True, text=True).stdout.strip(),
+            60,
+            "the old connection gone from the head",
+        )
         subprocess.run([*ns, "tc", "qdisc", "del", "dev", iface, "root"], check=True)
         t1 = time.monotonic()
         st = head.wait(

@@ -195,7 +195,10 @@ def build(name: str) -> ProbeReport:
 
     def query(addr, port, timeout=3.0):
         if name == "rpc-busy":
-            raise rpc.RpcBusy(f"rpc endpoint {addr}:{port} accepted but did not answer HELLO")
+            raise rpc.RpcBusy(
+                f"rpc endpoint {addr}:{port} accepted but did not answer HELLO",
+                endpoint=f"{addr}:{port}",
+            )
         return rpc.RpcInfo(
             addr,
             port,
