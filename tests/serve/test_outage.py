@@ -28,6 +28,7 @@ pytestmark = [pytest.mark.netns, pytest.mark.llama]
 
 INTERVAL = 1.0
 HOLD = 4.0
+RPC_PORT = 50052  # the dgx-mac profile's
 
 
 def mode(s: dict) -> str | None:
@@ -67,6 +68,26 @@ def test_the_split_returns_after_an_outage_longer_than_the_heads_fin(make_lab, t
         head.wait(lambda s: s["state"] == "ready" and mode(s) == "split", 90, "the split")
         client = Client(lab, tmp_path / "client.jsonl")
         client.wait_ok(3, 30)
+        # The cut comes while the split is idle: rpc-server has nothing in flight, so
+        # no retransmission of its own would reach the head later and end the
+        # connection (the head's reset to it): only the head's FIN could, and it is lost.
+        client.proc.terminate()
+        client.proc.wait(10)
+        dgx_ns = ["ip", "netns", "exec", lab.netns("dgx")]
+        rpc_end = f"{lab.host('dgx')['address'].split('/')[0]}:{RPC_PORT}"
+        held = [*dgx_ns, "ss", "-Htn", "state", "established", "src", rpc_end]
+        quiet_since = [time.monotonic()]
+
+        def quiet() -> bool:
+            """rpc-server's connection with nothing unacknowledged for a second (the
+            state filter drops ss's State column: Recv-Q, Send-Q, local, peer)."""
+            out = subprocess.run(held, capture_output=True, text=True).stdout
+            send_q = [int(row.split()[1]) for row in out.splitlines() if row.strip()]
+            if not send_q or any(send_q):
+                quiet_since[0] = time.monotonic()
+            return time.monotonic() - quiet_since[0] >= 1.0
+
+        wait_for(quiet, 30, "the split idle, nothing in flight")
         starts = rpc.status()["starts"]
         ns = ["ip", "netns", "exec", mac_ns]
         subprocess.run([*ns, "sh", "-c", f"echo 1 > {orphan}"], check=True)
@@ -76,11 +97,10 @@ def test_the_split_returns_after_an_outage_longer_than_the_heads_fin(make_lab, t
         t0 = time.monotonic()
         st = head.wait(lambda s: mode(s) == "alone", 30, "the head alone")
         print(f"\nhead alone after {time.monotonic() - t0:.1f} s: {st['watch']['mode_reason']}")
+        client = Client(lab, tmp_path / "client-alone.jsonl")
         client.wait_ok(2, 30)  # the head alone serves
         # The old llama-server's FIN retries run out (one retry here, after the backoff
         # its unanswered RPC data already built up): nothing of it left on the head.
-        dgx = next(h for h in data["hosts"] if h["name"] == "dgx")
-        rpc_end = f"{lab.host('dgx')['address'].split('/')[0]}:{dgx['rpc']['port']}"
         closing = [*ns, "ss", "-Htn", "state", "fin-wait-1", "state", "fin-wait-2", "state",
                    "closing", "state", "last-ack", "dst", rpc_end]  # fmt: skip
         wait_for(
