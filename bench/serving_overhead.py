@@ -168,12 +168,18 @@ KINDS: dict[str, tuple[dict, bool]] = {
 
 
 def measure_vocab(
-    n_vocab: int, tokens: int, runs: int, bins: tuple[str, str], ctx: tuple[int, int], work: Path
+    n_vocab: int,
+    tokens: int,
+    runs: int,
+    bins: tuple[str, str],
+    ctx: tuple[int, int],
+    work: Path,
+    n_embd: int = N_EMBD,
 ) -> dict:
     from linkctl.gguf.tiny import TinySpec, write_tiny_llama
 
     server_bin, bench_bin = bins
-    spec = TinySpec(n_embd=N_EMBD, n_head=1, n_ff=2 * N_EMBD, n_ctx=4096, n_vocab=n_vocab)
+    spec = TinySpec(n_embd=n_embd, n_head=1, n_ff=2 * n_embd, n_ctx=4096, n_vocab=n_vocab)
     model = write_tiny_llama(work / f"tiny-v{n_vocab}.gguf", spec)["path"]
     base = {"prompt": PROMPT, "n_predict": tokens, "ignore_eos": True, "cache_prompt": False}
     samples: dict[str, list[dict]] = {k: [] for k in ("bench", *KINDS)}
@@ -297,6 +303,12 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--ctx-big", type=int, default=32768)
+    ap.add_argument(
+        "--embd",
+        type=int,
+        default=N_EMBD,
+        help="the tiny model's n_embd (its output matrix: n_vocab x n_embd F32)",
+    )
     ap.add_argument("--fit", action="store_true", help="print the serving_overhead.toml figures")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
@@ -313,7 +325,10 @@ def main() -> int:
     t0 = time.time()
     load_before = round(os.getloadavg()[0], 2)
     try:
-        rows = [measure_vocab(n, a.tokens, a.runs, bins, (a.ctx, a.ctx_big), work) for n in sizes]
+        rows = [
+            measure_vocab(n, a.tokens, a.runs, bins, (a.ctx, a.ctx_big), work, a.embd)
+            for n in sizes
+        ]
     finally:
         for p in work.glob("*.gguf"):
             p.unlink()
@@ -325,6 +340,7 @@ def main() -> int:
         "tokens": a.tokens,
         "runs": a.runs,
         "threads": 1,
+        "n_embd": a.embd,
         "ctx": a.ctx,
         "ctx_big": a.ctx_big,
         "elapsed_s": round(time.time() - t0, 1),
@@ -338,7 +354,7 @@ def main() -> int:
         return 0
     b = rows[0]["build"]
     print(
-        f"llama.cpp {b}, CPU {out['cpu']}, tiny llama n_embd {N_EMBD}, {a.tokens} tokens, "
+        f"llama.cpp {b}, CPU {out['cpu']}, tiny llama n_embd {a.embd}, {a.tokens} tokens, "
         f"fastest of {a.runs} runs, -t 1; llama-server -c {a.ctx}, default sampler settings; "
         f"1-min load {out['load_1min_before']} before, {round(os.getloadavg()[0], 2)} after"
     )
