@@ -445,6 +445,9 @@ class ServeStatus(Record):
     ready_after_s: float | None = None
     events: list[dict[str, Any]] = Field(default_factory=list)
     watch: WatchRecord | None = None  # the watch while it serves (linkctl/serve/watch.py)
+    # Head: the local ends of llama-server's RPC connections by endpoint, kept across
+    # restarts of serve (linkctl/serve/leftends.py).
+    rpc_ends: dict[str, list[str]] = Field(default_factory=dict)
 
 
 class WatchFinding(_Part):

@@ -214,6 +214,27 @@ def run_rpc(
         watch.stop()
 
 
+def check_freeing(
+    profile: Profile,
+    local: tuple[int, int, int] | None,
+    build: str,
+    left: LeftEnds,
+    say: Say,
+    timeout: float = 3.0,
+) -> dict[str, RpcInfo]:
+    """check_endpoints; an endpoint still held by a connection an earlier llama-server
+    left (an outage longer than its FIN) is freed first, then checked again."""
+    try:
+        return check_endpoints(profile, local, build, timeout=timeout)
+    except InputError as e:
+        sent = left.reset(e)
+        if not sent:
+            raise
+        if left.news(sent):
+            say(f"{e.message}; reset what llama-server left there ({', '.join(sent)})")
+    return check_endpoints(profile, local, build, timeout=timeout)
+
+
 def wait_endpoints(
     profile: Profile,
     local: tuple[int, int, int] | None,
@@ -221,19 +242,39 @@ def wait_endpoints(
     *,
     wait_s: float,
     say: Say,
+    left: LeftEnds | None = None,
 ) -> dict[str, RpcInfo]:
     """First contact: wait up to ``wait_s`` for every endpoint (an rpc host may still be
-    starting), but refuse at once what can never work (another protocol, no HELLO)."""
+    starting), but refuse at once what can never work (another protocol, no HELLO).
+    With ``left``, an endpoint held by what an earlier llama-server left is freed."""
     from linkctl.llama import rpc
 
     return until_answered(
-        lambda: check_endpoints(profile, local, build),
+        lambda: check_freeing(profile, local, build, left or LeftEnds(), say),
         within=wait_s,
         what="rpc endpoints",
         say=say,
         retry_on=InputError,
         never_retry=(rpc.RpcNoHello, RpcProtocolMismatch),
     )
+
+
+def _kept_ends(path: Path, endpoints: list[str]) -> dict[str, list[str]]:
+    """The ends the last serve of this head recorded for these endpoints (none when
+    there is no readable status)."""
+    from linkctl.core.records import load_status
+
+    try:
+        kept = load_status(path).rpc_ends
+    except InputError:
+        return {}
+    return {e: ends for e, ends in kept.items() if e in endpoints}
+
+
+def keep_ends(sup: Supervisor, left: LeftEnds) -> None:
+    """The supervisor's status carries the ends from its first write on."""
+    sup.status.rpc_ends = left.ends()
+    left.on_change = sup.set_rpc_ends
 
 
 def run_head(
@@ -269,7 +310,8 @@ def run_head(
         for note in split.notes:
             say(f"split note: {note}")
 
-    infos = wait_endpoints(profile, local, build, wait_s=wait_s, say=say)
+    left = LeftEnds(_kept_ends(status_path("head"), plan.endpoints))
+    infos = wait_endpoints(profile, local, build, wait_s=wait_s, say=say, left=left)
     for name, i in infos.items():
         mem = ", ".join(f"{d.free / 2**20:.0f}/{d.total / 2**20:.0f} MiB free" for d in i.devices)
         say(
@@ -277,22 +319,9 @@ def run_head(
             f"protocol {i.version_str} ({i.hello_format} HELLO), devices: {mem or 'none'}"
         )
 
-    left = LeftEnds()
-
     def before_start() -> str | None:
-        """None when every endpoint answers; an endpoint still held by a connection an
-        earlier llama-server left (an outage longer than its FIN) is freed first."""
         try:
-            check_endpoints(profile, local, build, timeout=2.0)
-            return None
-        except InputError as e:
-            sent = left.reset(e)
-            if not sent:
-                return e.message
-            if left.news(sent):
-                say(f"{e.message}; reset what llama-server left there ({', '.join(sent)})")
-        try:
-            check_endpoints(profile, local, build, timeout=2.0)
+            check_freeing(profile, local, build, left, say, timeout=2.0)
             return None
         except InputError as e:
             return e.message
@@ -304,7 +333,9 @@ def run_head(
             health_interval=0.5,
             before_start=before_start,
         )
-        return Supervisor(spec, policy=policy, log=log, status_path=status_path("head")).run()
+        sup = Supervisor(spec, policy=policy, log=log, status_path=status_path("head"))
+        keep_ends(sup, left)
+        return sup.run()
     return _run_head_watched(plan, profile, backend, before_start, left, say, log, policy, split)
 
 
@@ -390,6 +421,7 @@ def _run_head_watched(
         choose=lambda: alone_spec if guard.choose_alone() else split_spec,
     )
     holder.append(sup)
+    keep_ends(sup, left)
     guard.watch.start()
     try:
         return sup.run()

@@ -122,6 +122,10 @@ class Supervisor:
         self.status.watch = record
         self._write_status()
 
+    def set_rpc_ends(self, ends: dict[str, list[str]]) -> None:
+        self.status.rpc_ends = ends
+        self._write_status()
+
     def _pump(self, stream: IO[bytes]) -> None:
         for raw in iter(stream.readline, b""):
             line = raw.decode(errors="replace").rstrip()

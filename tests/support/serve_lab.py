@@ -24,10 +24,13 @@ with urllib.request.urlopen(req, timeout=float(sys.argv[4])) as r:
 class Serve:
     """`linkctl serve` running in the background inside a lab host."""
 
-    def __init__(self, lab, host: str, role: str, args: list[str], log: Path):
+    def __init__(self, lab, host: str, role: str, args: list[str], log: Path, fresh: bool = True):
+        """``fresh``: the last serve's status removed first (else kept: what a serve
+        started again reads of the last one's)."""
         self.lab, self.host, self.role, self.log = lab, host, role, log
         self.status_path = Path(lab.info["root"]) / "hosts" / host / "serve" / f"{role}.json"
-        self.status_path.unlink(missing_ok=True)
+        if fresh:
+            self.status_path.unlink(missing_ok=True)
         self._f = open(log, "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
             [
