@@ -47,7 +47,9 @@ def reset_from(local: str, remote: str, wait_s: float = 0.3) -> str:
     try:
         try:
             s.bind(split_end(local))
-        except OSError:  # in use (or the address is gone): not ours to touch now
+        # In use, the address gone, or not an "ip:port" at all (a hand-edited status):
+        # not ours to touch now.
+        except (OSError, ValueError, OverflowError):
             return "in use"
         # Closed with a reset, not a FIN: nothing of it lingers on either side.
         s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))

@@ -246,7 +246,9 @@ def wait_endpoints(
 ) -> dict[str, RpcInfo]:
     """First contact: wait up to ``wait_s`` for every endpoint (an rpc host may still be
     starting), but refuse at once what can never work (another protocol, no HELLO).
-    With ``left``, an endpoint held by what an earlier llama-server left is freed."""
+    With ``left``, an endpoint held by what an earlier llama-server left is freed (an
+    attempt that frees one takes up to two checks and a SYN's wait per end, so the
+    last one can end that much past ``wait_s``)."""
     from linkctl.llama import rpc
 
     return until_answered(

@@ -203,9 +203,11 @@ def answers(bl: BootLab) -> dict | None:
 # file's hash or a link's target), as JSON. What changes by itself between two reads
 # on an idle booted Debian is left out (each named with why): the journal and logs,
 # systemd's own timer stamps, random seed and credentials, and ldconfig's cache. A
-# serving supervisor's status (serve/<role>.json) is hashed without its "watch": the
-# watch rewrites that reading every interval (checked_at, figures) while nothing
-# changes; a restart still shows (pid, child_pid, starts, events).
+# serving supervisor's status (serve/<role>.json) is hashed without its "watch" and
+# "rpc_ends": the watch rewrites its reading every interval (checked_at, figures) while
+# nothing changes, and the head's health poll adds the end llama-server connected from
+# about half a second after ready, which `up` may return before; a restart still shows
+# (pid, child_pid, starts, events).
 TREE = r"""
 import hashlib, json, os, re, stat, sys
 roots, skip = sys.argv[1].split(","), tuple(sys.argv[2].split(","))
@@ -228,6 +230,7 @@ for root in roots:
                 if status.match(p):
                     record = json.loads(data)
                     record.pop("watch", None)
+                    record.pop("rpc_ends", None)
                     data = json.dumps(record, sort_keys=True).encode()
                 e.append(hashlib.sha256(data).hexdigest())
             out[p] = e

@@ -31,6 +31,7 @@ class Serve:
         self.status_path = Path(lab.info["root"]) / "hosts" / host / "serve" / f"{role}.json"
         if fresh:
             self.status_path.unlink(missing_ok=True)
+        self._stale = None if fresh else self._read().get("pid")  # the last serve's
         self._f = open(log, "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
             [
@@ -51,11 +52,16 @@ class Serve:
             stderr=subprocess.STDOUT,
         )
 
-    def status(self) -> dict:
+    def _read(self) -> dict:
         try:
             return json.loads(self.status_path.read_text())
         except (OSError, ValueError):
             return {}
+
+    def status(self) -> dict:
+        """This serve's status ({} until it writes one: the last serve's is not it)."""
+        st = self._read()
+        return st if st.get("pid") != self._stale else {}
 
     def wait(self, pred, timeout: float, what: str) -> dict:
         deadline = time.monotonic() + timeout
