@@ -251,8 +251,9 @@ def wait_endpoints(
     last one can end that much past ``wait_s``)."""
     from linkctl.llama import rpc
 
+    ends = left or LeftEnds()  # one for every attempt: what a SYN freed is not tried again
     return until_answered(
-        lambda: check_freeing(profile, local, build, left or LeftEnds(), say),
+        lambda: check_freeing(profile, local, build, ends, say),
         within=wait_s,
         what="rpc endpoints",
         say=say,
