@@ -29,10 +29,10 @@ Decode speed is llama-server's own timings.predicted_per_second (its wall time f
 first to the last generated token: decode, sampling, detokenizing, the slot's
 bookkeeping); the streamed request also reports the client's rate (tokens between the
 first and the last chunk over that time). The overhead per token is llama-server's ms per
-token minus llama-bench's, each the median over --runs rounds (fresh processes) of the
-round's fastest of --reps repetitions. Both run one thread (-t 1): this lab has two
-cores, and the second is left to the HTTP thread and the client, as on the pair's
-many-core heads.
+token minus llama-bench's: in each of --runs rounds (fresh processes) the fastest of
+--reps repetitions of each, and the median of the rounds' differences. Both run one
+thread (-t 1): this lab has two cores, and the second is left to the HTTP thread and the
+client, as on the pair's many-core heads.
 
 --fit prints the serving_overhead.toml figures from this run (a least-squares line through
 the measured overheads against vocabulary size; streaming's and -c's terms per token); fit at
@@ -232,19 +232,20 @@ def measure_vocab(
             for s in servers.values():
                 s.stop()
 
-    # The headline figure is the typical process's floor: each process's fastest
-    # repetition (a slow spell of this VM only ever slows a repetition down, the reason
-    # timeit reports the minimum), and the median of those over the rounds, for each kind
-    # and for llama-bench. The floor moves between processes (llama-server's by up to
-    # ~15 % of a token at 151,936 entries, where llama-bench's stays within ~2 %: where
-    # its sampler's arrays land against the output matrix in a 1 MiB L2), and a user's
-    # server is one process, so the fastest of all would price the luckiest one. The
-    # fastest of all and the median of the rounds' paired differences are kept beside it.
+    # The headline figure is the median over the rounds of each round's paired floors:
+    # a process's fastest repetition (a slow spell of this VM only ever slows a
+    # repetition down, the reason timeit reports the minimum) for each kind, minus the
+    # fastest of the llama-bench process run seconds before it. The median over rounds
+    # prices the typical process, not the luckiest: llama-server's floor moves between
+    # processes (interquartile 8-15 % of a token at 151,936 entries, llama-bench's 2-4 %),
+    # and a user's server is one process. The pairing keeps a spell that outlasts a round
+    # in both terms (one run's llama-bench floors were all ~8 % slow). The difference of
+    # the kinds' and llama-bench's median floors (typical) and of their fastest of all
+    # are kept beside it.
     def floors(kind: str) -> list[float]:
         return [min(r) for r in ms[kind]]
 
     typical = statistics.median(floors("bench"))
-    best = min(floors("bench"))
     out = {
         "n_vocab": n_vocab,
         "build": build_name(server_bin),
@@ -255,11 +256,11 @@ def measure_vocab(
     }
     for kind in (*KINDS, "client"):
         out[f"{kind}_tok_s"] = 1000 / statistics.median(floors(kind))
-        out[f"{kind}_overhead_ms"] = statistics.median(floors(kind)) - typical
-        out[f"{kind}_overhead_ms_fastest"] = min(floors(kind)) - best
-        out[f"{kind}_overhead_ms_paired_median"] = statistics.median(
+        out[f"{kind}_overhead_ms"] = statistics.median(
             a - b for a, b in zip(floors(kind), floors("bench"), strict=True)
         )
+        out[f"{kind}_overhead_ms_typical"] = statistics.median(floors(kind)) - typical
+        out[f"{kind}_overhead_ms_fastest"] = min(floors(kind)) - min(floors("bench"))
     return out
 
 
@@ -386,13 +387,13 @@ def main() -> int:
     b = rows[0]["build"]
     print(
         f"llama.cpp {b}, CPU {out['cpu']}, tiny llama n_embd {a.embd}, {a.tokens} tokens, "
-        f"median of {a.runs} rounds' fastest of {a.reps} reps, -t 1; llama-server -c {a.ctx}, "
-        "default sampler settings; "
+        f"median of {a.runs} rounds' fastest of {a.reps} reps (paired), -t 1; "
+        f"llama-server -c {a.ctx}, default sampler settings; "
         f"1-min load {out['load_1min_before']} before, {round(os.getloadavg()[0], 2)} after"
     )
     hdr = (
         f"{'vocab':>7} {'bench tg':>9} {'server':>8} {'stream':>8} {'client':>8} "
-        f"{'':6} {'overhead ms/tok':>15} {'fastest':>8} {'paired median':>14} {'estimate':>9} "
+        f"{'':6} {'overhead ms/tok':>15} {'typical':>8} {'fastest':>8} {'estimate':>9} "
         f"{'error':>7}"
     )
     print(hdr)
@@ -400,7 +401,7 @@ def main() -> int:
         for kind in ("server", "stream"):
             est = r["estimate_ms"][kind]
             m = r[f"{kind}_overhead_ms"]
-            pm = r[f"{kind}_overhead_ms_paired_median"]
+            ty = r[f"{kind}_overhead_ms_typical"]
             fa = r[f"{kind}_overhead_ms_fastest"]
             first = (
                 f"{r['n_vocab']:>7} {r['bench_tok_s']:>9.1f} {r['server_tok_s']:>8.1f} "
@@ -409,7 +410,7 @@ def main() -> int:
                 else " " * 44
             )
             print(
-                f"{first} {kind:6} {m:>15.3f} {fa:>8.3f} {pm:>14.3f} {est:>9.3f} "
+                f"{first} {kind:6} {m:>15.3f} {ty:>8.3f} {fa:>8.3f} {est:>9.3f} "
                 f"{(est - m) / m:>+7.1%}"
             )
     print("\nsampler settings and -c (overhead ms/token, measured vs estimate):")
