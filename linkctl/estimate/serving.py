@@ -21,7 +21,7 @@ overlaps the device's work):
   per vocabulary entry.
 
 So the overhead is ``fixed_us + vocab_ns x n_vocab`` (+ the penalties' pair of terms
-when on), measured, not assumed: bench/serving_overhead.py measures llama-server against
+when on; streaming and a -c of 32768 or more add a term per token), measured, not assumed: bench/serving_overhead.py measures llama-server against
 llama-bench on the same tiny model and build at several vocabulary sizes, and its
 ``--fit`` gives the constants in linkctl/data/serving_overhead.toml, which names the
 command, the build and the CPU they were measured on. The terms are the head's CPU's:
