@@ -21,11 +21,12 @@ overlaps the device's work):
   per vocabulary entry.
 
 So the overhead is ``fixed_us + vocab_ns x n_vocab`` (+ the penalties' pair of terms
-when on; streaming and a -c of 32768 or more add a term per token), measured, not assumed: bench/serving_overhead.py measures llama-server against
-llama-bench on the same tiny model and build at several vocabulary sizes, and its
-``--fit`` gives the constants in linkctl/data/serving_overhead.toml, which names the
-command, the build and the CPU they were measured on. The terms are the head's CPU's:
-sampling runs on the CPU whatever device decodes.
+when on; streaming and a -c of 32768 or more add a term per token), measured, not
+assumed: bench/serving_overhead.py measures llama-server against llama-bench on the same
+tiny model and build at several vocabulary sizes, and its ``--fit`` gives the constants
+in linkctl/data/serving_overhead.toml, which names the command, the build and the CPU
+they were measured on. The terms are the head's CPU's: sampling runs on the CPU whatever
+device decodes.
 
 What is not priced: top_k <= 0 or >= n_vocab (top_p then sorts a share of the
 vocabulary that depends on how peaked the logits are, llama_sampler_top_p_apply), n_probs
