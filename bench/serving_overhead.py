@@ -255,6 +255,8 @@ def measure_vocab(
         "server_argv": argv,
     }
     for kind in (*KINDS, "client"):
+        if not all(ms[kind]):  # the client's rate needs two chunks (--tokens 1 has one)
+            continue
         out[f"{kind}_tok_s"] = 1000 / statistics.median(floors(kind))
         out[f"{kind}_overhead_ms"] = statistics.median(
             a - b for a, b in zip(floors(kind), floors("bench"), strict=True)
@@ -405,7 +407,7 @@ def main() -> int:
             fa = r[f"{kind}_overhead_ms_fastest"]
             first = (
                 f"{r['n_vocab']:>7} {r['bench_tok_s']:>9.1f} {r['server_tok_s']:>8.1f} "
-                f"{r['stream_tok_s']:>8.1f} {r['client_tok_s']:>8.1f}"
+                f"{r['stream_tok_s']:>8.1f} {r.get('client_tok_s', 0.0):>8.1f}"
                 if kind == "server"
                 else " " * 44
             )
