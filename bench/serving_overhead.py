@@ -345,6 +345,13 @@ def main() -> int:
     ap.add_argument("--fit", action="store_true", help="print the serving_overhead.toml figures")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    if a.tokens < 2:
+        # llama-server times decode from the first generated token to the last
+        # (timings.predicted_per_second is 0 for one token).
+        ap.error(f"--tokens {a.tokens}: llama-server times 2 or more; use --tokens 2 or more")
+    for name in ("runs", "reps"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name} {getattr(a, name)}: use 1 or more")
     if os.environ.get(INSIDE) != "1":
         reexec_in_namespace()
     from linkctl.llama.bins import find_bins
