@@ -242,10 +242,9 @@ def measure_vocab(
     # in both terms (one run's llama-bench floors were all ~8 % slow). The difference of
     # the kinds' and llama-bench's median floors (typical) and of their fastest of all
     # are kept beside it.
-    def floors(kind: str) -> list[float]:
-        return [min(r) for r in ms[kind]]
-
-    typical = statistics.median(floors("bench"))
+    floors = {k: [min(r) for r in rounds] for k, rounds in ms.items() if all(rounds)}
+    bench = floors["bench"]
+    typical = statistics.median(bench)
     out = {
         "n_vocab": n_vocab,
         "build": build_name(server_bin),
@@ -254,15 +253,14 @@ def measure_vocab(
         "ms_per_token_runs": ms,
         "server_argv": argv,
     }
-    for kind in (*KINDS, "client"):
-        if not all(ms[kind]):  # the client's rate needs two chunks (--tokens 1 has one)
-            continue
-        out[f"{kind}_tok_s"] = 1000 / statistics.median(floors(kind))
-        out[f"{kind}_overhead_ms"] = statistics.median(
-            a - b for a, b in zip(floors(kind), floors("bench"), strict=True)
-        )
-        out[f"{kind}_overhead_ms_typical"] = statistics.median(floors(kind)) - typical
-        out[f"{kind}_overhead_ms_fastest"] = min(floors(kind)) - min(floors("bench"))
+    # A kind with a round of no figure is left out: the client's rate needs two streamed
+    # chunks that carry text.
+    for kind in (k for k in (*KINDS, "client") if k in floors):
+        f = floors[kind]
+        out[f"{kind}_tok_s"] = 1000 / statistics.median(f)
+        out[f"{kind}_overhead_ms"] = statistics.median(a - b for a, b in zip(f, bench, strict=True))
+        out[f"{kind}_overhead_ms_typical"] = statistics.median(f) - typical
+        out[f"{kind}_overhead_ms_fastest"] = min(f) - min(bench)
     return out
 
 
